@@ -1,0 +1,1 @@
+"""gRPC transport shared by the coordinator and the worker: channels, frames, status codes."""
