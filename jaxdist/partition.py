@@ -66,9 +66,9 @@ def balanced_split(costs: Sequence[float], n_stages: int,
         for i in range(k, n - (n_stages - k) + 1):
             for j in range(k - 1, i):
                 load = max(best[k - 1][j], (prefix[i] - prefix[j]) / caps[k - 1])
-                # Ties go to the later cut, which keeps earlier stages lighter: stage 0 also
-                # carries the coordinator's traffic.
-                if load <= best[k][i]:
+                # Ties go to the earlier cut (a longer stage k-1), which keeps earlier stages
+                # lighter: stage 0 also carries the coordinator's traffic.
+                if load < best[k][i]:
                     best[k][i], cut[k][i] = load, j
     ranges, i = [], n
     for k in range(n_stages, 0, -1):

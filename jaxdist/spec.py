@@ -278,7 +278,7 @@ def validate(spec: StageSpec) -> None:
     if not _DIGEST.match(spec.artifact_digest):
         raise _fail("artifact_digest", f"expected 'sha256:' and 64 lowercase hex digits, found "
                                        f"{spec.artifact_digest!r}")
-    if spec.num_stages < 1 or spec.stage_index >= spec.num_stages:
+    if spec.num_stages < 1 or not 0 <= spec.stage_index < spec.num_stages:
         raise _fail("stage_index", f"expected 0 <= stage_index < num_stages, found "
                                    f"stage_index={spec.stage_index}, num_stages={spec.num_stages}")
     if spec.next_hop and not _HOSTPORT.match(spec.next_hop):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import json
 import os
 import re
 import threading
@@ -308,12 +309,26 @@ class WeightCache:
             return "gguf" if f.read(4) == b"GGUF" else "safetensors"
 
     def metadata(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """GGUF key/value metadata of a file under the roots (see :func:`weights.gguf.metadata`)."""
+        """Model metadata of a file or checkpoint under the roots, from headers only.
+
+        GGUF: its key/value metadata (see :func:`weights.gguf.metadata`). Safetensors (a file, an
+        index or a directory): the ``config.json`` beside it, if any, under ``"config"``, plus the
+        header's ``__metadata__`` strings.
+        """
         text = os.fspath(path)
-        u = parse_uri(text) if "://" in text else WeightURI("gguf", text)
-        if u.scheme != "gguf":
-            raise WeightError(f"'{text}': metadata is read from GGUF files, found {u.scheme}://")
-        return self._open(resolve_path(u.path, self._roots, uri=text), GGUFFile).metadata()
+        u = parse_uri(text) if "://" in text else WeightURI(self._guess_scheme(text), text)
+        if u.scheme == "gguf":
+            return self._open(resolve_path(u.path, self._roots, uri=text), GGUFFile).metadata()
+        if u.scheme == "file":
+            raise WeightError(f"'{text}': a file:// weight has no metadata")
+        real = self._checkpoint_file(u)
+        out: dict[str, Any] = {}
+        config = real.parent / "config.json"
+        if config.is_file():
+            out["config"] = json.loads(config.read_text())
+        if real.suffix != ".json":
+            out.update(self._open(real, SafetensorsFile).metadata)
+        return out
 
     # -- binding ----------------------------------------------------------------------------
 

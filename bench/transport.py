@@ -1,0 +1,392 @@
+"""Transport benchmark: jaxdist's gRPC frame path against a raw-TCP relay chain on loopback.
+
+Two measurements, each against a raw-TCP baseline with the same topology, in the same run:
+
+1. **Per-hop latency of a 4 KB activation.** An identity model (units return ``x + 0``, no
+   weights) is deployed as 1, 2 and 3 stages on 3 local workers. The median round trip of
+   ``pipe.call`` for a float32 (1, 1024) tensor is taken for each; the least-squares slope of the
+   median over the number of stages is what one more worker hop adds. The baseline is a chain of
+   1, 2, 3 relay subprocesses: the client sends a length-prefixed ``codec.to_bytes`` message to
+   relay 1, each relay forwards it whole to the next, and the last relay answers on a connection
+   the client dialled (as the coordinator's ``Subscribe`` stream to the last stage). Relays
+   forward bytes without decoding them: the baseline is the transport floor, codec work happens
+   at the client ends only, inside the timed region, as in ``pipe.call``.
+2. **Bandwidth.** A 1-stage pipeline (coordinator -> worker -> coordinator) against a 1-relay
+   chain, for float32 tensors of 4 KiB to 64 MiB; throughput is ``2 * bytes / median RTT``
+   (bytes moved both ways). Each returned tensor is compared with the one sent, which covers
+   activations above gRPC's 4 MiB default message limit.
+
+Measurements of jaxdist and of the baseline are interleaved in blocks, so drift of a shared
+2-core machine hits both alike. Nothing here asserts on time; every record says whether it met
+its target.
+
+Usage::
+
+    python bench/transport.py [--quick] [--out results.json]
+
+Prints one JSON object per measurement on stdout (``metric``, ``value``, ``unit``, ``baseline``,
+``baseline_value``, ``ratio``, ``target``, ``meets_target`` plus detail keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_LEN = struct.Struct("<Q")  # length prefix of a raw-TCP message
+_RELAY_READY = "relay listening on "
+_ROLE_UPSTREAM = b"U"  # a connection that sends messages into a relay
+_ROLE_SUBSCRIBER = b"S"  # the client's return connection, dialled to the last relay
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw-TCP relay (runs in its own process; stdlib only, so it starts in milliseconds)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False if the peer closed before the first byte."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
+        got += n
+    return True
+
+
+def _nodelay(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _connect(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    return _nodelay(socket.create_connection((host, int(port))))
+
+
+def _relay_main(next_hop: str | None) -> int:
+    """Forward length-prefixed messages from upstream to ``next_hop`` (or to the subscriber)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    print(f"{_RELAY_READY}127.0.0.1:{server.getsockname()[1]}", flush=True)
+    down = None
+    if next_hop:
+        down = _connect(next_hop)
+        down.sendall(_ROLE_UPSTREAM)
+    up = None
+    while up is None or down is None:
+        conn, _ = server.accept()
+        _nodelay(conn)
+        role = conn.recv(1)
+        if role == _ROLE_UPSTREAM:
+            up = conn
+        elif role == _ROLE_SUBSCRIBER and not next_hop:
+            down = conn
+        else:
+            conn.close()
+    buf = bytearray(1 << 16)
+    while True:
+        if not _recv_into(up, memoryview(buf)[:_LEN.size]):
+            return 0
+        (n,) = _LEN.unpack_from(buf)
+        if len(buf) < _LEN.size + n:
+            head = bytes(buf[:_LEN.size])
+            buf = bytearray(_LEN.size + n)
+            buf[:_LEN.size] = head
+        view = memoryview(buf)
+        _recv_into(up, view[_LEN.size:_LEN.size + n])
+        # Store and forward, as a worker needs the whole tensor before it computes.
+        down.sendall(view[:_LEN.size + n])
+
+
+class RawChain:
+    """``hops`` relay processes on loopback: client -> relay 1 -> ... -> relay n -> client."""
+
+    def __init__(self, hops: int) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        try:
+            address = None
+            for _ in range(hops):  # the last relay first: each dials the one after it
+                cmd = [sys.executable, os.path.abspath(__file__), "_relay"]
+                if address:
+                    cmd += ["--next", address]
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                        stdin=subprocess.DEVNULL)
+                self.procs.append(proc)
+                line = proc.stdout.readline().strip() if proc.stdout else ""
+                if not line.startswith(_RELAY_READY):
+                    raise RuntimeError(f"relay (pid {proc.pid}) did not start: {line!r}")
+                address = line[len(_RELAY_READY):]
+                if len(self.procs) == 1:
+                    last = address
+            self.sub = _connect(last)
+            self.sub.sendall(_ROLE_SUBSCRIBER)
+            self.send = _connect(address)
+            self.send.sendall(_ROLE_UPSTREAM)
+        except BaseException:
+            self.close()
+            raise
+        self._hdr = bytearray(_LEN.size)
+        self._buf = bytearray(0)
+
+    def call(self, array: Any) -> Any:
+        """Send one tensor through the chain and return what comes back (codec both ways)."""
+        from jaxdist import codec
+
+        data = codec.to_bytes("x", array)
+        if len(data) <= 1 << 16:  # one segment, as small frames are on a gRPC stream
+            self.send.sendall(_LEN.pack(len(data)) + data)
+        else:  # no copy of a large payload just to prepend 8 bytes
+            self.send.sendall(_LEN.pack(len(data)))
+            self.send.sendall(data)
+        _recv_into(self.sub, memoryview(self._hdr))
+        (n,) = _LEN.unpack_from(self._hdr)
+        if len(self._buf) < n:
+            self._buf = bytearray(n)
+        view = memoryview(self._buf)[:n]
+        _recv_into(self.sub, view)
+        return codec.from_bytes(view)[1]
+
+    def close(self) -> None:
+        for s in (getattr(self, "send", None), getattr(self, "sub", None)):
+            if s is not None:
+                s.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)  # a relay exits when its upstream closes
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        self.procs = []
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing helpers
+
+
+def _timed(fn: Callable[[], Any], n: int, out: list[float]) -> Any:
+    result = None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        result = fn()
+        out.append(time.perf_counter() - t0)
+    return result
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``(slope, intercept)`` of ``ys`` over ``xs``."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return slope, my - slope * mx
+
+
+def _machine() -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import grpc
+    import jax
+    return {"nproc": os.cpu_count(), "cpu": model, "python": sys.version.split()[0],
+            "grpcio": grpc.__version__, "jax": jax.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def _record(metric: str, value: float, unit: str, baseline_value: float, ratio: float,
+            target: str, meets: bool, **detail: Any) -> dict[str, Any]:
+    return {"metric": metric, "value": round(value, 4), "unit": unit, "baseline": "raw TCP",
+            "baseline_value": round(baseline_value, 4), "ratio": round(ratio, 4), "target": target,
+            "meets_target": meets, **detail}
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurements
+
+
+def _identity(params: dict[str, Any], state: dict[str, Any], carry: dict[str, Any]
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"x": carry["x"] + 0}, {}
+
+
+def _identity_model(n_units: int) -> Any:
+    from jaxdist.model import Model, Unit
+
+    return Model(f"identity{n_units}", units=[Unit(f"u{i}", _identity) for i in range(n_units)],
+                 inputs={"x": ("b, n", "float32")}, buckets=[{"b": 1, "n": 1024}])
+
+
+def measure_hops(pipes: dict[int, Any], chains: dict[int, RawChain], *, warmup: int, rounds: int,
+                 block: int, machine: dict[str, Any]) -> dict[str, Any]:
+    """Per-hop latency: slope of the median 4 KB RTT over 1, 2, 3 stages, both systems."""
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((1, 1024)).astype(np.float32)
+    samples: dict[tuple[str, int], list[float]] = {}
+    systems: dict[tuple[str, int], Callable[[], Any]] = {}
+    for k, pipe in pipes.items():
+        systems[("jaxdist", k)] = lambda p=pipe: p.call({"x": x})["x"]
+        systems[("tcp", k)] = lambda c=chains[k]: c.call(x)
+    for key, fn in systems.items():
+        out = _timed(fn, warmup, [])
+        if not np.array_equal(out, x):
+            raise RuntimeError(f"{key}: the 4 KB activation came back changed")
+        samples[key] = []
+    for _ in range(rounds):
+        for key, fn in systems.items():
+            _timed(fn, block, samples[key])
+    stages = sorted(pipes)
+    med = {key: _median(v) * 1e3 for key, v in samples.items()}
+    j_slope, j_icpt = _slope(stages, [med[("jaxdist", k)] for k in stages])
+    t_slope, t_icpt = _slope(stages, [med[("tcp", k)] for k in stages])
+    detail = {
+        "payload_bytes": int(x.nbytes), "iterations": rounds * block,
+        "jaxdist_median_rtt_ms": {k: round(med[("jaxdist", k)], 4) for k in stages},
+        "tcp_median_rtt_ms": {k: round(med[("tcp", k)], 4) for k in stages},
+        "jaxdist_p90_rtt_ms": {k: round(_quantile(samples[("jaxdist", k)], 0.9) * 1e3, 4)
+                               for k in stages},
+        "tcp_p90_rtt_ms": {k: round(_quantile(samples[("tcp", k)], 0.9) * 1e3, 4) for k in stages},
+        "jaxdist_intercept_ms": round(j_icpt, 4), "tcp_intercept_ms": round(t_icpt, 4),
+    }
+    return _record("per_hop_latency_4KB", j_slope, "ms", t_slope,
+                   j_slope / t_slope if t_slope > 0 else float("inf"), "<= 0.3 ms",
+                   j_slope <= 0.3, **detail, **machine)
+
+
+SIZES: list[tuple[str, int]] = [("4KB", 4 << 10), ("64KB", 64 << 10), ("1MB", 1 << 20),
+                                ("4MB", 4 << 20), ("16MB", 16 << 20), ("64MB", 64 << 20)]
+
+
+def measure_bandwidth(pipe: Any, chain: RawChain, *, budget_s: float, min_iters: int,
+                      max_iters: int, machine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Round trips of 4 KiB .. 64 MiB through one stage and one relay; GB/s = 2 * bytes / RTT."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    records = []
+    for label, nbytes in SIZES:
+        x = rng.standard_normal((1, nbytes // 4), dtype=np.float32)
+        systems = {"jaxdist": lambda: pipe.call({"x": x})["x"], "tcp": lambda: chain.call(x)}
+        samples: dict[str, list[float]] = {k: [] for k in systems}
+        equal: dict[str, bool] = {}
+        for key, fn in systems.items():  # warm-up: the first call of a new shape compiles it
+            equal[key] = bool(np.array_equal(_timed(fn, 2, []), x))
+        # Interleave in rounds; each system runs until it spent its share of the time budget,
+        # with at least min_iters and at most max_iters calls in all.
+        rounds = 3
+        for r in range(1, rounds + 1):
+            for key, fn in systems.items():
+                ts = samples[key]
+                goal_s, lo, hi = budget_s * r / rounds, -(-min_iters * r // rounds), \
+                    max_iters * r // rounds
+                while len(ts) < hi and (sum(ts) < goal_s or len(ts) < lo):
+                    out = _timed(fn, 1, ts)
+                    equal[key] = equal[key] and bool(np.array_equal(out, x))
+        med = {k: _median(v) for k, v in samples.items()}
+        gbps = {k: 2 * nbytes / med[k] / 1e9 for k in systems}
+        ratio = gbps["jaxdist"] / gbps["tcp"]
+        records.append(_record(
+            f"bandwidth_{label}", gbps["jaxdist"], "GB/s", gbps["tcp"], ratio,
+            ">= 0.4 of raw TCP", ratio >= 0.4, bytes=nbytes, shape=list(x.shape),
+            iterations={k: len(v) for k, v in samples.items()},
+            jaxdist_median_rtt_ms=round(med["jaxdist"] * 1e3, 4),
+            tcp_median_rtt_ms=round(med["tcp"] * 1e3, 4),
+            roundtrip_equal=equal["jaxdist"], tcp_roundtrip_equal=equal["tcp"], **machine))
+    return records
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    from jaxdist.coordinator import Cluster
+
+    machine = _machine()
+    records: list[dict[str, Any]] = []
+    chains = {}
+    try:
+        for k in (1, 2, 3):
+            chains[k] = RawChain(k)
+        with Cluster.local(3) as cluster:
+            a, b, c = cluster.addresses
+            placement = {1: [a], 2: [a, b], 3: [a, b, c]}
+            pipes = {k: cluster.deploy(_identity_model(k), split=[1] * k, workers=placement[k],
+                                       platforms=("cpu",)) for k in (1, 2, 3)}
+            if quick:
+                hop = measure_hops(pipes, chains, warmup=50, rounds=3, block=100, machine=machine)
+            else:
+                hop = measure_hops(pipes, chains, warmup=200, rounds=10, block=200,
+                                   machine=machine)
+            _emit(hop, records)
+            # Bandwidth needs only stage 0; close the others so their streams stay quiet.
+            pipes[2].close()
+            pipes[3].close()
+            if quick:
+                bw = measure_bandwidth(pipes[1], chains[1], budget_s=0.4, min_iters=3,
+                                       max_iters=300, machine=machine)
+            else:
+                bw = measure_bandwidth(pipes[1], chains[1], budget_s=4.0, min_iters=9,
+                                       max_iters=3000, machine=machine)
+            sixteen = next(r for r in bw if r["metric"] == "bandwidth_16MB")
+            _emit(dict(sixteen, metric="throughput_16MB",
+                       note="same samples as bandwidth_16MB"), records)
+            for r in bw:
+                _emit(r, records)
+    finally:
+        for chain in chains.values():
+            chain.close()
+    return records
+
+
+def _emit(record: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    import json
+
+    records.append(record)
+    print(json.dumps(record), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer iterations (CI smoke, < 60 s)")
+    p.add_argument("--out", metavar="FILE", help="also write the list of records to FILE (JSON)")
+    opts = p.parse_args(argv)
+    t0 = time.perf_counter()
+    records = run(opts.quick)
+    if opts.out:
+        import json
+
+        with open(opts.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print(f"transport bench done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_relay":
+        relay = argparse.ArgumentParser(prog="transport.py _relay")
+        relay.add_argument("--next", default=None)
+        sys.exit(_relay_main(relay.parse_args(sys.argv[2:]).next))
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Transformer building blocks shared by the exporters: norms, RoPE, slot-cache attention, sampling.
+
+Every function is pure ``jax.numpy`` with no host callbacks, so it traces under ``jax.export``
+with symbolic batch (``b``) and sequence (``s``) dims. Weights are passed in already laid out by
+the worker at bind time (matrices as ``(in, out)``), so every projection is a plain ``x @ W``.
+
+Slot cache layout: one resident array per layer, ``(max_slots, max_seq, n_kv_heads, head_dim)``.
+A step of ``b`` rows carries, per row, its cache ``slot``, the position ``pos`` of its first token
+and its true ``length`` (``s`` minus padding). New keys/values go to ``cache[slot, pos + i]``;
+query ``pos + i`` reads keys ``j <= pos + i`` and ``j < pos + length``. Padded entries beyond
+``pos + length`` are written but never read: the row's next step starts at ``pos + length`` and
+overwrites them. Two rows of one step must not share a slot (their scatters would race).
+
+An idle row (a batch slot with nothing to do) can be given ``pos = max_seq`` and ``length = 0``:
+its writes fall outside the cache and are dropped, and its outputs are garbage the caller ignores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "apply_rope",
+    "cache_attention",
+    "last_valid",
+    "rms_norm",
+    "rope_angles",
+    "sample_tokens",
+    "step_positions",
+]
+
+Array = Any
+
+# A large negative instead of -inf, so a row with no visible key (length 0) gives garbage, not NaN.
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm over the last axis, computed in float32 and returned in ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf.astype(x.dtype) * weight.astype(x.dtype)).astype(x.dtype)
+
+
+def step_positions(pos: Array, tokens: Array) -> Array:
+    """Absolute positions ``pos[r] + i`` of the ``(b, s)`` tokens of a step."""
+    return pos[:, None] + lax.broadcasted_iota(jnp.int32, tokens.shape[:2], 1)
+
+
+def rope_angles(positions: Array, inv_freq: Array) -> tuple[Array, Array]:
+    """``cos`` and ``sin`` of ``positions * inv_freq``: each ``(b, s, head_dim // 2)`` float32."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array, *, interleaved: bool) -> Array:
+    """Rotate ``x`` of shape ``(b, s, heads, head_dim)`` by the angles of :func:`rope_angles`.
+
+    Args:
+        interleaved: rotate adjacent pairs ``(x[2i], x[2i+1])`` by frequency ``i`` (GPT-J /
+            llama.cpp "normal" mode, what GGUF ``llama`` weights expect); otherwise rotate the
+            halves ``(x[i], x[i + d/2])`` (GPT-NeoX / Hugging Face ``rotate_half``).
+    """
+    c, s_ = cos[:, :, None, :], sin[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        pairs = xf.reshape(*xf.shape[:-1], xf.shape[-1] // 2, 2)
+        a, b = pairs[..., 0], pairs[..., 1]
+        out = jnp.stack([a * c - b * s_, a * s_ + b * c], axis=-1).reshape(xf.shape)
+    else:
+        half = xf.shape[-1] // 2
+        a, b = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([a * c - b * s_, b * c + a * s_], axis=-1)
+    return out.astype(x.dtype)
+
+
+def cache_attention(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, slot: Array,
+                    pos: Array, length: Array) -> tuple[Array, Array, Array]:
+    """Write this step's keys/values into the slot cache, then attend causally over it.
+
+    Args:
+        q: ``(b, s, n_heads, head_dim)``, RoPE applied.
+        k, v: ``(b, s, n_kv_heads, head_dim)``, RoPE applied to ``k``.
+        k_cache, v_cache: ``(max_slots, max_seq, n_kv_heads, head_dim)``.
+        slot, pos, length: ``(b,)`` int32, see the module docstring.
+
+    Returns:
+        ``(out, k_cache, v_cache)``: ``out`` is ``(b, s, n_heads, head_dim)`` in ``q``'s dtype;
+        the caches are updated (in place once the stage donates them).
+    """
+    b, s, n_heads, hd = q.shape
+    n_kv = k.shape[2]
+    group = n_heads // n_kv
+    qpos = step_positions(pos, q)                                         # (b, s)
+    rows = jnp.broadcast_to(slot[:, None], qpos.shape)
+    # Positions >= max_seq fall outside the cache and are dropped instead of clamped.
+    k_cache = k_cache.at[rows, qpos].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, qpos].set(v.astype(v_cache.dtype), mode="drop")
+    keys = k_cache[slot].astype(jnp.float32)                              # (b, T, kv, hd)
+    vals = v_cache[slot].astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(b, s, n_kv, group, hd) * (hd ** -0.5)
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, keys)
+    kpos = lax.broadcasted_iota(jnp.int32, (1, 1, k_cache.shape[1]), 2)  # (1, 1, T)
+    visible = (kpos <= qpos[:, :, None]) & (kpos < (pos + length)[:, None, None])
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, vals).reshape(b, s, n_heads, hd)
+    return out.astype(q.dtype), k_cache, v_cache
+
+
+def last_valid(x: Array, length: Array) -> Array:
+    """The activation of each row's last true token: ``x[r, length[r] - 1]`` -> ``(b, d)``."""
+    idx = jnp.clip(length - 1, 0, x.shape[1] - 1).astype(jnp.int32)
+    return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+
+
+def _filtered_logits(z: Array, top_k: Array, top_p: Array) -> Array:
+    """Mask (to -inf) the logits outside each row's top-k and nucleus (top-p) sets."""
+    vocab = z.shape[-1]
+    srt = -jnp.sort(-z, axis=-1)                                          # descending
+    rank = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None]
+    srt = jnp.where(rank < k, srt, -jnp.inf)
+    p = jax.nn.softmax(srt, axis=-1)
+    before = jnp.cumsum(p, axis=-1) - p            # probability mass ranked above each token
+    keep = (rank < k) & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    threshold = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(z >= threshold, z, -jnp.inf)
+
+
+def sample_tokens(logits: Array, temperature: Array, top_k: Array, top_p: Array, seed: Array,
+                  counter: Array) -> Array:
+    """Pick one token per row in-graph: greedy, or seeded temperature / top-k / top-p sampling.
+
+    Args:
+        logits: ``(b, vocab)``.
+        temperature: ``(b,)``; ``<= 0`` means greedy (argmax) for that row.
+        top_k: ``(b,)`` int; ``<= 0`` turns it off.
+        top_p: ``(b,)``; ``>= 1.0`` turns it off. Keeps the smallest high-probability set whose
+            mass reaches ``top_p`` (always at least one token), after top-k, like Hugging Face.
+        seed: ``(b,)`` integer seed of the row.
+        counter: ``(b,)`` int, mixed into the key (``fold_in``) so each step draws afresh while a
+            seeded run stays reproducible; the LLM exporters pass the row's next position.
+
+    Returns:
+        ``(b,)`` int32 token ids.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_: None) -> Array:
+        t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+        z = _filtered_logits(logits / t[:, None], top_k, top_p.astype(jnp.float32))
+
+        def one(sd: Array, c: Array, zr: Array) -> Array:
+            key = jax.random.fold_in(jax.random.PRNGKey(sd.astype(jnp.uint32)), c)
+            return jax.random.categorical(key, zr)
+
+        sampled = jax.vmap(one)(seed, counter.astype(jnp.int32), z).astype(jnp.int32)
+        return jnp.where(temperature > 0, sampled, greedy)
+
+    # The full-vocabulary sort is skipped when no row samples (the common greedy case).
+    return lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)

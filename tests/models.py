@@ -1,0 +1,57 @@
+"""Small models for the worker and coordinator tests (not LLMs)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file
+
+from jaxdist.model import Model, Param, Unit
+
+D = 32
+
+
+def _dense(params, state, carry):
+    return {"x": jnp.tanh(carry["x"] @ params["w"])}, {}
+
+
+def mlp(n_layers: int = 4, d: int = D, name: str = "mlp") -> Model:
+    """An MLP whose weights live in ``mlp.safetensors`` under the weights root."""
+    units = [Unit(f"l{i}", _dense, {"w": Param(f"safetensors://mlp.safetensors#l{i}.w", (d, d))})
+             for i in range(n_layers)]
+    return Model(name, units, inputs={"x": ("b, %d" % d, "float32")}, buckets=[{"b": 4}])
+
+
+def mlp_reference(root, x: np.ndarray, n_layers: int = 4) -> np.ndarray:
+    """The same MLP in plain numpy, from the file read independently."""
+    ws = load_file(str(root / "mlp.safetensors"))
+    for i in range(n_layers):
+        x = np.tanh(x @ ws[f"l{i}.w"])
+    return x
+
+
+def _accumulate(params, state, carry):
+    total = state["acc"] + carry["x"].sum(axis=0)
+    return {"x": carry["x"], "total": total}, {"acc": total}
+
+
+def _passthrough(params, state, carry):
+    total = state["acc"] + carry["total"]
+    return {"total": total}, {"acc": total}
+
+
+def accumulator(d: int = 4) -> Model:
+    """Two stateful units: each keeps a running sum, so a session's output depends on its past."""
+    return Model("acc", [Unit("a", _accumulate, state={"acc": ((d,), "float32")}),
+                         Unit("b", _passthrough, state={"acc": ((d,), "float32")})],
+                 inputs={"x": ("b, %d" % d, "float32")})
+
+
+def _identity(params, state, carry):
+    return {"x": carry["x"] + 0}, {}
+
+
+def identity(n_units: int, dims: str = "b, n", dtype: str = "float32") -> Model:
+    """Units that pass the activation through: for transport tests and benchmarks."""
+    return Model("identity", [Unit(f"id{i}", _identity) for i in range(n_units)],
+                 inputs={"x": (dims, dtype)})
