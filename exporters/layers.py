@@ -19,16 +19,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
     "apply_rope",
     "cache_attention",
     "last_valid",
+    "layer_norm",
     "rms_norm",
     "rope_angles",
+    "rope_inv_freq",
     "sample_tokens",
     "step_positions",
 ]
@@ -46,9 +51,50 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return (xf.astype(x.dtype) * weight.astype(x.dtype)).astype(x.dtype)
 
 
+def layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
+    """LayerNorm with bias over the last axis (GPT-2, BERT), in float32; returns ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    xf = (xf - mean) * lax.rsqrt(var + eps)
+    return (xf * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
 def step_positions(pos: Array, tokens: Array) -> Array:
     """Absolute positions ``pos[r] + i`` of the ``(b, s)`` tokens of a step."""
     return pos[:, None] + lax.broadcasted_iota(jnp.int32, tokens.shape[:2], 1)
+
+
+def rope_inv_freq(head_dim: int, theta: float, *, rope_type: str = "default",
+                  factor: float = 1.0, low_freq_factor: float = 1.0,
+                  high_freq_factor: float = 4.0, original_max_position: int = 8192) -> np.ndarray:
+    """RoPE inverse frequencies ``theta ** (-2i / head_dim)``, ``(head_dim // 2,)`` float32.
+
+    Args:
+        rope_type: ``"default"``; ``"linear"`` (divide by ``factor``); or ``"llama3"``: low
+            frequencies divided by ``factor``, high ones kept, a smooth ramp between (as
+            transformers' ``_compute_llama3_parameters``).
+
+    Raises:
+        ValueError: an unknown ``rope_type`` (exporters check it first and raise SpecError).
+    """
+    exps = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv = (np.float32(1.0) / np.float32(theta) ** exps).astype(np.float32)
+    if rope_type == "default":
+        return inv
+    if rope_type == "linear":
+        return (inv / np.float32(factor)).astype(np.float32)
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r}: expected default, linear or llama3")
+    low_wl = original_max_position / low_freq_factor
+    high_wl = original_max_position / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor
+                                                                    - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 def rope_angles(positions: Array, inv_freq: Array) -> tuple[Array, Array]:

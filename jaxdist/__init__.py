@@ -29,7 +29,8 @@ from jaxdist.artifacts import Artifact, export_stage, load_artifact
 from jaxdist.registry import LocalRegistry
 from jaxdist.stage import WorkerStage
 from jaxdist.model import Model, Param, Unit
-from jaxdist.coordinator import Cluster, Pipeline, Session
+from jaxdist.pipeline import Pipeline, Session
+from jaxdist.coordinator import Cluster
 from jaxdist.inprocess import InProcessPipeline
 
 __version__ = "0.1.0"

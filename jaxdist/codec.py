@@ -39,6 +39,9 @@ __all__ = [
     "dtype_from_name",
     "encode",
     "encode_tensors",
+    "group_chunks",
+    "add_chunks",
+    "chunks",
     "to_bytes",
     "from_bytes",
 ]
@@ -93,16 +96,51 @@ def dtype_from_name(name: str) -> np.dtype:
     return _NP_BY_ENUM[_ENUM_BY_NAME[canonical_dtype(name)]]
 
 
-def _as_wire_array(name: str, array: Any) -> np.ndarray:
+_ENUM_BY_DTYPE: dict[np.dtype, int] = {dt: enum for enum, dt in _NP_BY_ENUM.items()}
+
+
+def _wire(name: str, array: Any) -> tuple[int, list[int], memoryview]:
+    """(dtype enum, shape, raw little-endian C-order bytes) of an array, copying only if needed."""
     arr = np.asarray(array)
-    try:
-        canonical_dtype(arr.dtype)
-    except CodecError as exc:
-        raise CodecError(f"tensor {name!r}: {exc}") from None
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
+    enum = _ENUM_BY_DTYPE.get(arr.dtype)
+    if enum is None:
+        try:
+            canonical_dtype(arr.dtype)
+        except CodecError as exc:
+            raise CodecError(f"tensor {name!r}: {exc}") from None
+        # A supported dtype in non-native byte order.
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
-    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+        enum = _ENUM_BY_DTYPE[arr.dtype.newbyteorder("=")]
+    elif arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    if not arr.flags.c_contiguous:
+        # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+        arr = arr.copy(order="C")
+    # Via uint8: bfloat16 has no buffer format of its own.
+    return enum, list(arr.shape), memoryview(arr.reshape(-1).view(np.uint8))
+
+
+Chunk = tuple[str, int, list[int], memoryview, int, int]
+"""One message's worth of a tensor: (name, dtype enum, shape, data view, offset, total bytes)."""
+
+
+def chunks(name: str, array: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Chunk]:
+    """Split one tensor into chunks of at most ``chunk_bytes`` of data (at least one chunk)."""
+    if chunk_bytes <= 0:
+        raise CodecError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    enum, shape, raw = _wire(name, array)
+    total = raw.nbytes
+    if total <= chunk_bytes:
+        return [(name, enum, shape, raw, 0, total)]
+    return [(name, enum, shape, raw[off:off + chunk_bytes], off, total)
+            for off in range(0, total, chunk_bytes)]
+
+
+def add_chunks(container: Any, group: Iterable[Chunk]) -> None:
+    """Append chunks to a repeated ``Tensor`` field in place (one copy of the data, no more)."""
+    for name, enum, shape, data, offset, total in group:
+        container.add(name=name, dtype=enum, shape=shape, data=data.tobytes(), offset=offset,
+                      total_bytes=total)
 
 
 def encode(name: str, array: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[pb.Tensor]:
@@ -120,20 +158,8 @@ def encode(name: str, array: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> 
     Raises:
         CodecError: unsupported dtype or a non-positive chunk size.
     """
-    if chunk_bytes <= 0:
-        raise CodecError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    arr = _as_wire_array(name, array)
-    enum = _ENUM_BY_NAME[arr.dtype.name]
-    shape = list(arr.shape)
-    raw = memoryview(arr.reshape(-1).view(np.uint8))  # via uint8: bfloat16 has no buffer format
-    total = raw.nbytes
-    if total <= chunk_bytes:
-        return [pb.Tensor(name=name, dtype=enum, shape=shape, data=raw.tobytes(), total_bytes=total)]
-    return [
-        pb.Tensor(name=name, dtype=enum, shape=shape, data=raw[off:off + chunk_bytes].tobytes(),
-                  offset=off, total_bytes=total)
-        for off in range(0, total, chunk_bytes)
-    ]
+    return [pb.Tensor(name=n, dtype=e, shape=sh, data=d.tobytes(), offset=o, total_bytes=t)
+            for n, e, sh, d, o, t in chunks(name, array, chunk_bytes=chunk_bytes)]
 
 
 def _header(msg: pb.Tensor) -> tuple[np.dtype, tuple[int, ...], int]:
@@ -172,24 +198,32 @@ def decode(msg: pb.Tensor) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def encode_tensors(tensors: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-                   ) -> Iterator[list[pb.Tensor]]:
-    """Encode named tensors into groups of messages, each group at most ~``chunk_bytes`` of data.
+def group_chunks(tensors: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                 ) -> Iterator[list[Chunk]]:
+    """Chunks of named tensors in groups of at most ~``chunk_bytes`` of data, one per message.
 
-    Each group fits in one transport message (a frame part); small tensors share a group.
+    Small tensors share a group; an empty mapping gives one empty group.
     """
-    group: list[pb.Tensor] = []
+    group: list[Chunk] = []
     size = 0
     for name, array in tensors.items():
-        for msg in encode(name, array, chunk_bytes=chunk_bytes):
-            n = len(msg.data)
+        for chunk in chunks(name, array, chunk_bytes=chunk_bytes):
+            n = chunk[3].nbytes
             if group and size + n > chunk_bytes:
                 yield group
                 group, size = [], 0
-            group.append(msg)
+            group.append(chunk)
             size += n
     if group or not tensors:
         yield group
+
+
+def encode_tensors(tensors: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                   ) -> Iterator[list[pb.Tensor]]:
+    """Like :func:`group_chunks`, as lists of ``Tensor`` messages."""
+    for group in group_chunks(tensors, chunk_bytes=chunk_bytes):
+        yield [pb.Tensor(name=n, dtype=e, shape=sh, data=d.tobytes(), offset=o, total_bytes=t)
+               for n, e, sh, d, o, t in group]
 
 
 class TensorAssembler:
@@ -212,24 +246,25 @@ class TensorAssembler:
         if name in self._done:
             raise CodecError(f"tensor {name!r} received twice in one frame")
         dtype, shape, nbytes = _header(msg)
+        data = msg.data  # protobuf returns a fresh copy on every access: read it once
         if self._max_bytes is not None and nbytes > self._max_bytes:
             raise CodecError(f"tensor {name!r} is {nbytes} bytes, over the limit of {self._max_bytes}")
         if name not in self._partial:
             if self._max_tensors is not None and len(self._done) + len(self._partial) >= self._max_tensors:
                 raise CodecError(f"more than {self._max_tensors} tensors in one frame")
-            if msg.offset == 0 and len(msg.data) == nbytes:
-                self._done[name] = np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+            if msg.offset == 0 and len(data) == nbytes:
+                self._done[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
                 return
             self._partial[name] = (dtype, shape, bytearray(nbytes), 0)
         pdtype, pshape, buf, got = self._partial[name]
         if (pdtype, pshape) != (dtype, shape):
             raise CodecError(f"tensor {name!r}: chunk header {dtype.name}{list(shape)} differs from "
                              f"the first chunk's {pdtype.name}{list(pshape)}")
-        end = msg.offset + len(msg.data)
+        end = msg.offset + len(data)
         if end > nbytes:
             raise CodecError(f"tensor {name!r}: chunk [{msg.offset}, {end}) overruns {nbytes} bytes")
-        buf[msg.offset:end] = msg.data
-        got += len(msg.data)
+        buf[msg.offset:end] = data
+        got += len(data)
         if got > nbytes:
             raise CodecError(f"tensor {name!r}: received {got} bytes for a {nbytes}-byte tensor")
         if got == nbytes:

@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.coordinator import Session, build_stage_specs
+from jaxdist.coordinator import build_stage_specs
 from jaxdist.errors import SessionError
 from jaxdist.model import Model
 from jaxdist.partition import balanced_split, explicit_split
+from jaxdist.pipeline import Session
 from jaxdist.stage import WorkerStage
 from jaxdist.weights import WeightCache
 

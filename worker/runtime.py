@@ -1,13 +1,16 @@
 """The running side of a worker: stage executors, their egress, and the coordinator subscriptions.
 
-Per loaded stage there are two threads, joined by bounded queues:
+Per loaded stage, frames flow:
 
-    Push stream -> [work queue] -> executor -> [egress queue] -> egress -> next hop / subscriber
+    Push stream thread: check, run -> [egress queue] -> egress thread -> next hop / subscriber
 
-The executor dispatches the compiled stage (JAX returns at once, the device computes) and goes
-on to the next frame; the egress thread waits for the result, turns it into bytes (the only
-host copy) and sends it on. So a stage computes frame n+1 while frame n is still on the wire.
-Bounded queues make a slow consumer slow its producer instead of growing memory.
+The thread that reads the Push stream dispatches the compiled stage itself (JAX returns at once,
+the device computes) and goes on to the next frame; the egress thread waits for the result, turns
+it into bytes (the only host copy) and sends it on. So a stage computes frame n+1 while frame n
+is still on the wire, with one thread handoff per hop (each handoff costs ~16 us of context
+switches on these machines; an earlier design with a separate executor thread paid for two).
+The egress queue is bounded: a slow consumer blocks the Push stream, and gRPC's flow control
+pushes back to the producer instead of growing memory.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from jaxdist.errors import JaxdistError, SessionError, TransportError
+from jaxdist.errors import JaxdistError, TransportError
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 from jaxdist.stage import WorkerStage
 from jaxdist.transport import status
 from jaxdist.transport.channel import FrameSender, make_channel
-from jaxdist.transport.frames import FrameHeader, split_frame
+from jaxdist.transport.frames import FrameHeader, result_events, split_frame
 
 from jaxdist.worker.sessions import Session, SessionStore
 
@@ -131,12 +133,6 @@ class PeerPool:
             c.close()
 
 
-@dataclass
-class _Work:
-    header: FrameHeader
-    tensors: dict[str, Any]
-
-
 class StageRuntime:
     """A loaded stage with its executor and egress threads.
 
@@ -161,27 +157,36 @@ class StageRuntime:
         self._hub = hub
         self._peers = peers
         self._address = address
-        self._work: queue.Queue[_Work | None] = queue.Queue(maxsize=QUEUE_DEPTH)
         self._egress: queue.Queue[tuple[FrameHeader, dict[str, Any]] | None] = \
             queue.Queue(maxsize=QUEUE_DEPTH)
         self._stateful = bool(self.spec.state)
         self.frames_done = 0
         self._inflight = 0
         self._inflight_lock = threading.Condition()
-        self._threads = [
-            threading.Thread(target=self._execute_loop, name=f"exec-{stage_id}", daemon=True),
-            threading.Thread(target=self._egress_loop, name=f"egress-{stage_id}", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._egress_thread = threading.Thread(target=self._egress_loop,
+                                               name=f"egress-{stage_id}", daemon=True)
+        self._egress_thread.start()
 
     # -- ingress ----------------------------------------------------------------------------
 
-    def submit(self, header: FrameHeader, tensors: dict[str, Any]) -> None:
-        """Queue one frame; blocks while the stage is busy (back-pressure on the stream)."""
+    def process(self, header: FrameHeader, tensors: dict[str, Any],
+                shapes: tuple[tuple[int, ...], ...] | None = None) -> None:
+        """Run one frame in the calling thread and queue its outputs for egress.
+
+        Blocks while the egress queue is full (back-pressure on the stream). Failures are
+        reported to the coordinator, never raised.
+        """
         with self._inflight_lock:
             self._inflight += 1
-        self._work.put(_Work(header, tensors))
+        try:
+            outputs = self._execute(header, tensors, shapes)
+        except Exception as exc:  # every failure of a frame goes back to the coordinator
+            if not isinstance(exc, JaxdistError):
+                log.exception("stage %d failed on a frame", self.spec.stage_index)
+            self.report(header, exc)
+            self._done_one()
+            return
+        self._egress.put((header, outputs))
 
     def report(self, header: FrameHeader, exc: BaseException) -> None:
         """Send an error for a frame to the coordinator subscribed on this worker."""
@@ -192,35 +197,19 @@ class StageRuntime:
                           pb.Event(error=err, request_id=header.request_id,
                                    session_id=header.session_id))
 
-    # -- executor ---------------------------------------------------------------------------
+    # -- execution --------------------------------------------------------------------------
 
-    def _execute_loop(self) -> None:
-        while True:
-            work = self._work.get()
-            if work is None:
-                self._egress.put(None)
-                return
-            try:
-                outputs = self._execute(work)
-            except Exception as exc:  # every failure of a frame goes back to the coordinator
-                if not isinstance(exc, JaxdistError):
-                    log.exception("stage %d failed on a frame", self.spec.stage_index)
-                self.report(work.header, exc)
-                self._done_one()
-                continue
-            self._egress.put((work.header, outputs))
-
-    def _execute(self, work: _Work) -> dict[str, Any]:
-        h = work.header
+    def _execute(self, h: FrameHeader, tensors: dict[str, Any],
+                 shapes: tuple[tuple[int, ...], ...] | None) -> dict[str, Any]:
         if not self._stateful:
-            outputs, _ = self.stage.run(work.tensors)
+            outputs, _ = self.stage.run(tensors, shapes=shapes)
             return outputs
         sess = self._sessions.take(self.stage_id, h.session_id, h.step)
         state = sess.state if sess is not None else self.stage.init_state()
         if sess is not None:
             sess.state = {}  # donated below: never leave dangling buffers in the store
         try:
-            outputs, new_state = self.stage.run(work.tensors, state)
+            outputs, new_state = self.stage.run(tensors, state, shapes=shapes)
         except Exception:
             if sess is not None:  # the state may be donated already: the session is lost
                 self._sessions.end(h.session_id, [self.stage_id])
@@ -257,10 +246,8 @@ class StageRuntime:
                                      f"{self.spec.stage_index + 1} at {self.spec.next_hop}: "
                                      f"{exc}") from None
         else:
-            for msg in split_frame(nxt, outputs):
-                self._hub.publish(header.pipeline_id, header.reply_to,
-                                  pb.Event(result=msg, request_id=header.request_id,
-                                           session_id=header.session_id))
+            for event in result_events(nxt, outputs):
+                self._hub.publish(header.pipeline_id, header.reply_to, event)
         self.frames_done += 1
 
     def _done_one(self) -> None:
@@ -282,13 +269,9 @@ class StageRuntime:
         return True
 
     def stop(self) -> None:
-        self._work.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
+        self._egress.put(None)
+        self._egress_thread.join(timeout=10)
         dropped = self._sessions.drop_stage(self.stage_id)
         if dropped:
             log.info("stage %s unloaded with %d live sessions", self.stage_id, dropped)
 
-
-def session_error_is_final(exc: BaseException) -> bool:
-    return isinstance(exc, SessionError)

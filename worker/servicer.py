@@ -259,12 +259,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if done is None:
                     continue
                 header, tensors = done
-                runtime.stage.check_inputs(tensors)
+                shapes = runtime.stage.check_inputs(tensors)
             except Exception as exc:
                 asm.reset()
                 self._report(header, exc)
                 continue
-            runtime.submit(header, tensors)
+            runtime.process(header, tensors, shapes)
         return pb.PushAck(frames=count)
 
     def _report(self, header: Any, exc: BaseException) -> None:

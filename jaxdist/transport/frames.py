@@ -18,7 +18,7 @@ from jaxdist import codec
 from jaxdist.errors import CodecError
 from jaxdist.proto import jaxdist_pb2 as pb
 
-__all__ = ["FrameAssembler", "FrameHeader", "split_frame", "error_frame"]
+__all__ = ["FrameAssembler", "FrameHeader", "error_frame", "result_events", "split_frame"]
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,36 @@ class FrameHeader:
     kind: int = pb.FRAME_DATA
 
 
+def _fill(frame: pb.Frame, header: FrameHeader, group: list[codec.Chunk], last: bool) -> None:
+    frame.pipeline_id = header.pipeline_id
+    frame.session_id = header.session_id
+    frame.step = header.step
+    frame.stage = header.stage
+    frame.request_id = header.request_id
+    frame.reply_to = header.reply_to
+    frame.kind = header.kind
+    frame.last_chunk = last
+    codec.add_chunks(frame.tensors, group)
+
+
 def split_frame(header: FrameHeader, tensors: Mapping[str, Any], *,
                 chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> Iterator[pb.Frame]:
-    """Encode tensors into the messages of one frame (at least one message)."""
-    groups = list(codec.encode_tensors(tensors, chunk_bytes=chunk_bytes))
+    """Encode tensors into the messages of one frame (at least one message), built in place."""
+    groups = list(codec.group_chunks(tensors, chunk_bytes=chunk_bytes))
     for i, group in enumerate(groups):
-        yield pb.Frame(pipeline_id=header.pipeline_id, session_id=header.session_id,
-                       step=header.step, stage=header.stage, request_id=header.request_id,
-                       reply_to=header.reply_to, kind=header.kind, tensors=group,
-                       last_chunk=i == len(groups) - 1)
+        frame = pb.Frame()
+        _fill(frame, header, group, i == len(groups) - 1)
+        yield frame
+
+
+def result_events(header: FrameHeader, tensors: Mapping[str, Any], *,
+                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> Iterator[pb.Event]:
+    """Like :func:`split_frame`, each frame built in place inside a subscription ``Event``."""
+    groups = list(codec.group_chunks(tensors, chunk_bytes=chunk_bytes))
+    for i, group in enumerate(groups):
+        event = pb.Event(request_id=header.request_id, session_id=header.session_id)
+        _fill(event.result, header, group, i == len(groups) - 1)
+        yield event
 
 
 def error_frame(header: FrameHeader, error: pb.RemoteError) -> pb.Frame:

