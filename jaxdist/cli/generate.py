@@ -66,6 +66,9 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when the text contains TEXT (repeatable)")
     g.add_argument("--max-seq", type=int, default=512, help="KV-cache length per sequence")
+    g.add_argument("--slots", type=int, default=4, help="sequences the KV cache holds at once")
+    g.add_argument("--buckets", default="16,64,128,256", metavar="N,N,...",
+                   help="prompt chunk lengths compiled ahead of time (default %(default)s)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     g.set_defaults(run=run_generate)
@@ -97,7 +100,13 @@ def _prompt_ids(opts: argparse.Namespace, loaded: LoadedModel) -> list[int]:
 
 def run_generate(opts: argparse.Namespace) -> int:
     name, roots = _locate(opts.model)
-    loaded = load_model(name, roots=roots, max_seq=opts.max_seq, dtype=opts.dtype)
+    try:
+        buckets = tuple(int(b) for b in opts.buckets.split(",") if b.strip())
+    except ValueError:
+        raise SpecError(f"--buckets expects comma-separated integers, found {opts.buckets!r}"
+                        ) from None
+    loaded = load_model(name, roots=roots, max_seq=opts.max_seq, dtype=opts.dtype,
+                        max_slots=opts.slots, prefill_buckets=buckets)
     if loaded.kind != "causal-lm":
         raise SpecError(f"model {name} is a {loaded.kind}, not a causal LM; use jaxdist embed")
     ids = _prompt_ids(opts, loaded)

