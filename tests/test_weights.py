@@ -10,9 +10,12 @@ import hashlib
 import json
 import os
 import re
+import struct
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import gguf
 import ml_dtypes
@@ -180,6 +183,116 @@ def test_gguf_metadata(root: Path) -> None:
         assert cache.metadata("m.gguf") == meta
 
 
+# -- GGUF header parser: parity with gguf.GGUFReader (the independent reference) ----------------
+
+V = gguf.GGUFValueType
+# One value per GGUF value type (all but ARRAY), at the edge of its range.
+EDGE = {
+    V.UINT8: 255, V.INT8: -128, V.UINT16: 65535, V.INT16: -32768, V.UINT32: 2**32 - 1,
+    V.INT32: -(2**31), V.FLOAT32: 0.1, V.BOOL: True, V.STRING: "héllo ✓", V.UINT64: 2**64 - 1,
+    V.INT64: -(2**63), V.FLOAT64: 1 / 3,
+}
+NESTED = {"nested.ints": [[1, 2], [3]], "nested.strings": [["a"], ["b", "c"]],
+          "nested.deep": [[[1]], [[2, 3], [4]]]}
+
+
+def write_all_types_gguf(path: Path) -> None:
+    """Every value type as a scalar and as an array, nested and large arrays, plain and
+    quantized tensors (a 0-d one too), at a non-default alignment."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    for vtype, value in EDGE.items():
+        zero = "" if vtype == V.STRING else False if vtype == V.BOOL else 0
+        w.add_key_value(f"scalar.{vtype.name}", value, vtype)
+        w.add_key_value(f"array.{vtype.name}", [value, zero, value], V.ARRAY, sub_type=vtype)
+    for key, value in NESTED.items():
+        w.add_key_value(key, value, V.ARRAY)
+    w.add_key_value("array.large", list(range(-5000, 5000)), V.ARRAY, sub_type=V.INT32)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}·" * (i % 4) for i in range(20000)])
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, np.float16, np.float64, np.int8, np.int16, np.int32, np.int64):
+        values = (rng.standard_normal((3, 5)) * 99).astype(dtype)
+        w.add_tensor(f"plain.{np.dtype(dtype).name}", values)
+    w.add_tensor("plain.scalar", np.array(1.5, np.float32))
+    w.add_tensor("plain.bf16", BF16.view(np.uint8).reshape(2, 3, 64), raw_dtype=T.BF16)
+    for qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
+        w.add_tensor(f"quant.{qtype.name}", ref.quantize(Q_SRC, qtype), raw_dtype=qtype)
+    w.add_tensor("quant.Q4_K", Q4K, raw_dtype=T.Q4_K)
+    w.add_tensor("quant.IQ4_NL", IQ4NL, raw_dtype=T.IQ4_NL)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _flatten(value: Any) -> Any:
+    """GGUFReader flattens arrays of arrays (a FIXME in gguf-py); GGUFFile keeps the nesting."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return [x for item in value for x in _flatten(item)]
+    return value
+
+
+def assert_matches_reader(path: Path, reader: gguf.GGUFReader | None = None) -> GGUFFile:
+    """GGUFFile's metadata, tensor infos and tensor bytes equal gguf.GGUFReader's."""
+    reader = reader or gguf.GGUFReader(str(path))
+    f = GGUFFile(path)
+    meta = f.metadata()
+    ref_meta = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
+    assert list(meta) == list(ref_meta)
+    # repr, not ==: a bool must stay a bool and a float a float, in scalars and inside lists
+    assert repr({k: _flatten(v) for k, v in meta.items()}) == repr(ref_meta)
+    infos = f.describe()
+    got = [(n, i.shape, f._tensors[n].ggml_type, f._tensors[n].offset, i.nbytes)
+           for n, i in infos.items()]
+    want = [(t.name, tuple(reversed(t.shape.tolist())), t.tensor_type, t.data_offset, t.n_bytes)
+            for t in reader.tensors]
+    assert got == want
+    for t in reader.tensors:
+        raw = f.stored_bytes(t.name)
+        assert raw.dtype == np.uint8 and raw.ndim == 1
+        np.testing.assert_array_equal(raw, t.data.reshape(-1).view(np.uint8))
+        if t.data.dtype != np.uint8:  # the types GGUFReader decodes itself
+            assert f.read(t.name).dtype == t.data.dtype
+            np.testing.assert_array_equal(f.read(t.name), t.data)
+    return f
+
+
+def test_gguf_header_matches_reader(root: Path, tmp_path: Path) -> None:
+    write_all_types_gguf(tmp_path / "all.gguf")
+    f = assert_matches_reader(tmp_path / "all.gguf")
+    meta = f.metadata()
+    for vtype, value in EDGE.items():
+        want = float(np.float32(value)) if vtype == V.FLOAT32 else value
+        assert meta[f"scalar.{vtype.name}"] == want
+    assert {k: meta[k] for k in NESTED} == NESTED
+    assert f._header.alignment == 64
+    assert all(t.offset % 64 == 0 for t in f._tensors.values())
+    assert_matches_reader(root / "m.gguf")
+
+
+def test_gguf_header_v2_matches_reader(tmp_path: Path) -> None:
+    write_all_types_gguf(tmp_path / "v3.gguf")
+    data = bytearray((tmp_path / "v3.gguf").read_bytes())
+    struct.pack_into("<I", data, 4, 2)  # v2 has the v3 layout; v3 only added big-endian files
+    (tmp_path / "v2.gguf").write_bytes(data)
+    assert assert_matches_reader(tmp_path / "v2.gguf")._header.version == 2
+
+
+def test_gguf_header_matches_reader_smollm2(smollm2: Path) -> None:
+    start = time.perf_counter()
+    reader = gguf.GGUFReader(str(smollm2))
+    t_reader = time.perf_counter() - start
+    start = time.perf_counter()
+    meta = wgguf.metadata(smollm2)
+    t_ours = time.perf_counter() - start
+    f = assert_matches_reader(smollm2, reader)
+    assert len(meta["tokenizer.ggml.tokens"]) == meta["llama.vocab_size"] == len(
+        reader.fields["tokenizer.ggml.tokens"].data)
+    assert len(f.names()) == len(reader.tensors)
+    # the point of the parser: GGUFReader builds numpy objects per tokenizer entry (seconds)
+    assert t_ours * 5 < t_reader, f"open+metadata {t_ours:.3f}s vs GGUFReader {t_reader:.3f}s"
+
+
 # -- safetensors --------------------------------------------------------------------------------
 
 
@@ -227,13 +340,13 @@ def test_raw_file_round_trip(cache: WeightCache) -> None:
 
 def test_parse_once(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[str] = []
-    real_reader = gguf.GGUFReader
+    real_parse = wgguf._parse_header
 
-    def counting(path: str, mode: str = "r") -> gguf.GGUFReader:
+    def counting(buf: memoryview, path: str) -> object:
         opened.append(path)
-        return real_reader(path, mode)
+        return real_parse(buf, path)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    monkeypatch.setattr(wgguf, "_parse_header", counting)
     with WeightCache([root]) as cache:
         uris = [f"gguf://m.gguf#{n}" for n in ("f32", "q8", "q4_1", "q4_k")] * 4
         with ThreadPoolExecutor(4) as pool:
@@ -450,6 +563,209 @@ def test_error_checksum_mismatch(cache: WeightCache) -> None:
 def test_error_not_gguf(root: Path) -> None:
     with pytest.raises(WeightError, match=r"GGUF file .*raw.bin' could not be read"):
         resolve_weight("gguf://raw.bin#w", roots=[root])
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A small GGUF file's bytes, to corrupt: three keys, two tensors with equal-length names."""
+    path = tmp_path_factory.mktemp("small") / "s.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", ["<s>", "hello", "wörld"])
+    w.add_array("tokenizer.ggml.scores", [0.0, -1.0, -2.0])
+    w.add_uint32("llama.block_count", 2)
+    w.add_tensor("tensor.q80", ref.quantize(Q_SRC, T.Q8_0), raw_dtype=T.Q8_0)
+    w.add_tensor("tensor.f32", F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def _after_name(data: bytes, name: str) -> int:
+    """Offset just past a key's or tensor's name (its u64 length, then its bytes) in ``data``."""
+    raw = name.encode()
+    return data.index(struct.pack("<Q", len(raw)) + raw) + 8 + len(raw)
+
+
+def _patched(tmp_path: Path, data: bytes, at: int, fmt: str, value: Any) -> Path:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, at, value)
+    (tmp_path / "bad.gguf").write_bytes(out)
+    return tmp_path / "bad.gguf"
+
+
+def _gguf_error(path: Path, message: str) -> None:
+    """Opening ``path`` raises WeightError: "GGUF file '<path>' could not be read: <message>"."""
+    with pytest.raises(WeightError, match=re.escape(f"GGUF file '{path}' could not be read: ")
+                       + message):
+        GGUFFile(path)
+
+
+def test_error_gguf_bad_magic(tmp_path: Path, small: bytes) -> None:
+    path = _patched(tmp_path, small, 0, "4s", b"GGUX")
+    _gguf_error(path, re.escape("bad magic b'GGUX' at offset 0, expected b'GGUF'; expected a "
+                                "GGUF v2/v3 file (check the file is complete and really GGUF)"))
+
+
+def test_error_gguf_truncated(tmp_path: Path, small: bytes) -> None:
+    strings = _after_name(small, "tokenizer.ggml.tokens") + 4 + 4 + 8  # type, item type, count
+    (tmp_path / "cut.gguf").write_bytes(small[: strings + 9])
+    _gguf_error(tmp_path / "cut.gguf", re.escape(
+        f"truncated or corrupt header: reading the 3 strings of the value of key "
+        f"'tokenizer.ggml.tokens' needs 24 bytes at offset {strings}, but the file has only "
+        f"{strings + 9} bytes; expected a GGUF v2/v3 file (check the file is complete"))
+    third = small.index("wörld".encode())
+    (tmp_path / "cut.gguf").write_bytes(small[: third + 2])
+    _gguf_error(tmp_path / "cut.gguf", re.escape(
+        f"truncated or corrupt header: reading the value of key 'tokenizer.ggml.tokens'[2] "
+        f"needs 6 bytes at offset {third}, but the file has only {third + 2} bytes"))
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    _gguf_error(tmp_path / "empty.gguf", re.escape(
+        "truncated or corrupt header: reading the magic needs 4 bytes at offset 0, but the file "
+        "has only 0 bytes"))
+    whole = GGUFFile(_patched(tmp_path, small, 0, "4s", b"GGUF"))
+    end = max(t.offset + t.nbytes for t in whole._tensors.values())
+    for cut in range(end):  # every cut, in the header or the data, is caught and explained
+        (tmp_path / "cut.gguf").write_bytes(small[:cut])
+        _gguf_error(tmp_path / "cut.gguf",
+                    rf"(truncated or corrupt header: .* but the file has only {cut} bytes"
+                    rf"|tensor '.*' needs bytes \[\d+, \d+\), but the file has only {cut} bytes)")
+
+
+def test_error_gguf_bad_version(tmp_path: Path, small: bytes) -> None:
+    _gguf_error(_patched(tmp_path, small, 4, "<I", 1), re.escape(
+        "unsupported GGUF version 1, expected one of (2, 3); convert the file with a current "
+        "llama.cpp"))
+
+
+def test_error_gguf_big_endian(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_tensor("a", np.ones(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    msg = "is big-endian; expected little-endian, found the opposite byte order; convert it"
+    with pytest.raises(WeightError, match=re.escape(f"GGUF file '{tmp_path / 'be.gguf'}' {msg}")):
+        GGUFFile(tmp_path / "be.gguf")
+
+
+def test_error_gguf_unknown_value_type(tmp_path: Path, small: bytes) -> None:
+    at = _after_name(small, "llama.block_count")
+    _gguf_error(_patched(tmp_path, small, at, "<I", 13), re.escape(
+        "the value of key 'llama.block_count' has unknown value type 13; expected 0..12 (UINT8, "))
+    at = _after_name(small, "tokenizer.ggml.tokens") + 4
+    _gguf_error(_patched(tmp_path, small, at, "<I", 99), re.escape(
+        "the value of key 'tokenizer.ggml.tokens' has unknown element type 99; expected 0..12"))
+
+
+@pytest.mark.parametrize(("where", "fmt", "value", "message"), [
+    ("tensor count", "<Q", 2**64 - 1, "reading 18446744073709551615 tensor infos needs"),
+    ("kv count", "<Q", 2**63, "reading 9223372036854775808 key/value pairs needs"),
+    ("key length", "<Q", 2**64 - 1, "reading the name of key #0 needs 18446744073709551615 "),
+    ("strings", "<Q", 2**62, "reading the 4611686018427387904 strings of the value of key "
+                             "'tokenizer.ggml.tokens' needs 36893488147419103232 bytes"),
+    ("string length", "<Q", 2**63, "reading the value of key 'tokenizer.ggml.tokens'[0] needs "
+                                   "9223372036854775808 bytes"),
+    ("floats", "<Q", 2**61, "reading the 2305843009213693952 FLOAT32 elements of the value of "
+                            "key 'tokenizer.ggml.scores' needs 9223372036854775808 bytes"),
+    ("n_dims", "<I", 2**32 - 1, "reading the 4294967295 dims of tensor 'tensor.f32' needs"),
+])
+def test_error_gguf_hostile_count(tmp_path: Path, small: bytes, where: str, fmt: str,
+                                  value: int, message: str) -> None:
+    at = {"tensor count": 8, "kv count": 16, "key length": 24,
+          "strings": _after_name(small, "tokenizer.ggml.tokens") + 8,
+          "string length": _after_name(small, "tokenizer.ggml.tokens") + 16,
+          "floats": _after_name(small, "tokenizer.ggml.scores") + 8,
+          "n_dims": _after_name(small, "tensor.f32")}[where]
+    # a count is checked against the file size before any loop or allocation
+    _gguf_error(_patched(tmp_path, small, at, fmt, value),
+                "truncated or corrupt header: " + re.escape(message))
+
+
+def test_error_gguf_tensor_past_end(tmp_path: Path, small: bytes) -> None:
+    at = _after_name(small, "tensor.f32") + 4 + 2 * 8 + 4  # n_dims, 2 dims, type -> offset
+    data_start = GGUFFile(_patched(tmp_path, small, 0, "4s", b"GGUF"))._header.data_offset
+    begin = data_start + 2**40
+    _gguf_error(_patched(tmp_path, small, at, "<Q", 2**40), re.escape(
+        f"tensor 'tensor.f32' (F32, shape (4, 64)) needs bytes [{begin}, {begin + 1024}), but "
+        f"the file has only {len(small)} bytes"))
+
+
+def test_error_gguf_bad_tensor_type(tmp_path: Path, small: bytes) -> None:
+    at = _after_name(small, "tensor.f32") + 4 + 2 * 8
+    _gguf_error(_patched(tmp_path, small, at, "<I", 99),
+                re.escape("tensor 'tensor.f32' has unknown GGML type 99; the file may need"))
+    at = _after_name(small, "tensor.q80") + 4  # ne0
+    _gguf_error(_patched(tmp_path, small, at, "<Q", 33), re.escape(
+        "tensor 'tensor.q80' (Q8_0, shape (8, 33)) has rows of 33 elements, expected a multiple "
+        "of the Q8_0 block size 32"))
+
+
+def test_error_gguf_bad_utf8(tmp_path: Path, small: bytes) -> None:
+    at = small.index("wörld".encode())
+    _gguf_error(_patched(tmp_path, small, at, "B", 0xFF), re.escape(
+        f"the value of key 'tokenizer.ggml.tokens'[2] at offset {at} is not valid UTF-8 "
+        f"(invalid start byte)"))
+    at = small.index(b"llama.block_count")
+    _gguf_error(_patched(tmp_path, small, at, "B", 0xFF),
+                r"the name of key #\d+ at offset \d+ is not valid UTF-8")
+
+
+def test_error_gguf_duplicate(tmp_path: Path, small: bytes) -> None:
+    at = small.index(b"tensor.q80")
+    _gguf_error(_patched(tmp_path, small, at, "10s", b"tensor.f32"),
+                re.escape("tensor 'tensor.f32' appears twice"))
+    at = small.index(b"tokenizer.ggml.scores")
+    _gguf_error(_patched(tmp_path, small, at, "21s", b"tokenizer.ggml.tokens"),
+                re.escape("key 'tokenizer.ggml.tokens' appears twice (the second time as key #"))
+
+
+@pytest.mark.parametrize(("vtype", "value"), [(V.UINT32, 48), (V.UINT32, 0), (V.UINT64, 64)])
+def test_error_gguf_bad_alignment(tmp_path: Path, vtype: gguf.GGUFValueType, value: int) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "llama")
+    w.add_key_value("general.alignment", value, vtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    _gguf_error(tmp_path / "a.gguf", re.escape(
+        f"'general.alignment' is {value} ({vtype.name}), expected a UINT32 power of two"))
+
+
+def test_error_gguf_deep_nesting(tmp_path: Path) -> None:
+    value: Any = [1]
+    for _ in range(8):
+        value = [value]
+    w = gguf.GGUFWriter(str(tmp_path / "deep.gguf"), "llama")
+    w.add_key_value("deep", value, V.ARRAY)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    _gguf_error(tmp_path / "deep.gguf", re.escape(
+        "the value of key 'deep'[0][0][0][0][0][0][0][0] nests arrays more than 8 deep"))
+
+
+def test_error_gguf_random_corruption(tmp_path: Path, small: bytes) -> None:
+    """Random bytes in the header: a WeightError or a consistent file, never anything else."""
+    rng = np.random.default_rng(7)
+    header_end = small.index(struct.pack("<Q", 10) + b"tensor.f32") + 64
+    opened = 0
+    for _ in range(400):
+        out = bytearray(small)
+        for at in rng.integers(4, header_end, rng.integers(1, 4)):
+            out[at] = rng.integers(0, 256)
+        (tmp_path / "fuzz.gguf").write_bytes(out)
+        try:
+            f = GGUFFile(tmp_path / "fuzz.gguf")
+        except WeightError as exc:
+            assert str(exc).startswith(f"GGUF file '{tmp_path / 'fuzz.gguf'}' ")
+            continue
+        opened += 1
+        f.metadata()
+        for name, info in f.describe().items():
+            assert f.stored_bytes(name).nbytes == info.nbytes
+    assert 0 < opened < 400  # both outcomes were exercised
 
 
 def test_error_truncated_safetensors(tmp_path: Path) -> None:

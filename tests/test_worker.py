@@ -302,7 +302,7 @@ def test_sigterm_exits_zero():
     client = WorkerClient(w.address)
     client.info()
     w.process.send_signal(signal.SIGTERM)
-    assert w.process.wait(timeout=30) == 0
+    assert w.process.wait(timeout=90) == 0
     client.close()
 
 

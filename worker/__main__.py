@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jaxdist-worker listening on {address} device={servicer.device_name}", flush=True)
     stop.wait()
     drained = servicer.drain(timeout=30)
+    servicer.hub.shutdown()  # ends the coordinators' subscriptions, so the grace period is short
     server.stop(grace=2).wait()
     servicer.close()
     if not drained:

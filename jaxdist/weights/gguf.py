@@ -76,6 +76,7 @@ _MAX_NESTING = 8  # arrays of arrays: deeper is corrupt, and would exhaust the s
 # allocation: a KV (empty key, u32 type, u8 value), a tensor info (empty name, no dims, u32
 # type, u64 offset), an array element that is a string (u64 length) or an array (u32 + u64).
 _MIN_KV, _MIN_TENSOR, _MIN_STRING, _MIN_ARRAY = 13, 24, 8, 12
+_EXPECT_TYPE = f"expected 0..{max(_V)} ({', '.join(t.name for t in _V)})"
 _FIX = "expected a GGUF v2/v3 file (check the file is complete and really GGUF)"
 
 
@@ -113,30 +114,25 @@ class _Parser:
     def need(self, n: int, what: str) -> None:
         if n > self.size - self.pos:
             raise self.error(
-                f"truncated or corrupt header: {what} needs {n} bytes at offset {self.pos}, "
-                f"but the file has only {self.size} bytes"
+                f"truncated or corrupt header: reading {what} needs {n} bytes at offset "
+                f"{self.pos}, but the file has only {self.size} bytes"
             )
 
-    def u32(self, what: str) -> int:
-        self.need(4, what)
-        (value,) = _U32.unpack_from(self.buf, self.pos)
-        self.pos += 4
-        return int(value)
-
-    def u64(self, what: str) -> int:
-        self.need(8, what)
-        (value,) = _U64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return int(value)
+    def read(self, fmt: struct.Struct, what: str) -> Any:
+        self.need(fmt.size, what)
+        (value,) = fmt.unpack_from(self.buf, self.pos)
+        self.pos += fmt.size
+        return value
 
     def string(self, what: str) -> str:
-        n = self.u64(f"the length of {what}")
+        n = self.read(_U64, f"the length of {what}")
         self.need(n, what)
         raw = bytes(self.buf[self.pos : self.pos + n])
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise self.error(f"{what} at offset {self.pos} is not valid UTF-8 ({exc.reason})") from None
+            raise self.error(f"{what} at offset {self.pos} is not valid UTF-8 "
+                             f"({exc.reason})") from None
         self.pos += n
         return text
 
@@ -169,22 +165,18 @@ class _Parser:
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         scalar = _SCALARS.get(vtype)
         if scalar is not None:
-            self.need(scalar[0].size, what)
-            (value,) = scalar[0].unpack_from(self.buf, self.pos)
-            self.pos += scalar[0].size
-            return value
+            return self.read(scalar[0], what)
         if vtype == _V.STRING:
             return self.string(what)
         if vtype == _V.ARRAY:
             return self.array(what, depth)
-        raise self.error(f"{what} has unknown value type {vtype}; expected one of "
-                         f"{', '.join(f'{t.value} ({t.name})' for t in _V)}")
+        raise self.error(f"{what} has unknown value type {vtype}; {_EXPECT_TYPE}")
 
     def array(self, what: str, depth: int) -> list[Any]:
         if depth >= _MAX_NESTING:
             raise self.error(f"{what} nests arrays more than {_MAX_NESTING} deep")
-        itype = self.u32(f"the element type of {what}")
-        count = self.u64(f"the length of {what}")
+        itype = self.read(_U32, f"the element type of {what}")
+        count = self.read(_U64, f"the length of {what}")
         scalar = _SCALARS.get(itype)
         if scalar is not None:
             dtype = scalar[1]
@@ -197,8 +189,7 @@ class _Parser:
         if itype == _V.ARRAY:
             self.need(count * _MIN_ARRAY, f"the {count} arrays of {what}")
             return [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]
-        raise self.error(f"{what} has unknown element type {itype}; expected one of "
-                         f"{', '.join(f'{t.value} ({t.name})' for t in _V)}")
+        raise self.error(f"{what} has unknown element type {itype}; {_EXPECT_TYPE}")
 
 
 def _parse_header(buf: memoryview, path: str) -> _Header:
@@ -214,7 +205,7 @@ def _parse_header(buf: memoryview, path: str) -> _Header:
     if magic != b"GGUF":
         raise p.error(f"bad magic {magic!r} at offset 0, expected b'GGUF'")
     p.pos = 4
-    version = p.u32("the version")
+    version = p.read(_U32, "the version")
     if version not in _VERSIONS:
         if int.from_bytes(version.to_bytes(4, "little"), "big") in _VERSIONS:
             raise WeightError(
@@ -223,8 +214,8 @@ def _parse_header(buf: memoryview, path: str) -> _Header:
             )
         raise p.error(f"unsupported GGUF version {version}, expected one of {_VERSIONS}",
                       fix="convert the file with a current llama.cpp")
-    tensor_count = p.u64("the tensor count")
-    kv_count = p.u64("the key/value count")
+    tensor_count = p.read(_U64, "the tensor count")
+    kv_count = p.read(_U64, "the key/value count")
     p.need(kv_count * _MIN_KV, f"{kv_count} key/value pairs")
 
     meta: dict[str, Any] = {}
@@ -233,7 +224,7 @@ def _parse_header(buf: memoryview, path: str) -> _Header:
         key = p.string(f"the name of key #{i}")
         if key in meta:
             raise p.error(f"key '{key}' appears twice (the second time as key #{i})")
-        vtype = p.u32(f"the value type of key '{key}'")
+        vtype = p.read(_U32, f"the value type of key '{key}'")
         meta[key] = p.value(vtype, f"the value of key '{key}'")
         if key == gguf.Keys.General.ALIGNMENT:
             align_type = vtype
@@ -248,12 +239,12 @@ def _parse_header(buf: memoryview, path: str) -> _Header:
     infos = []
     for i in range(tensor_count):
         name = p.string(f"the name of tensor #{i}")
-        n_dims = p.u32(f"the dimension count of tensor '{name}'")
+        n_dims = p.read(_U32, f"the dimension count of tensor '{name}'")
         p.need(8 * n_dims, f"the {n_dims} dims of tensor '{name}'")
         dims = struct.unpack_from(f"<{n_dims}Q", buf, p.pos)
         p.pos += 8 * n_dims
-        raw_type = p.u32(f"the GGML type of tensor '{name}'")
-        offset = p.u64(f"the data offset of tensor '{name}'")
+        raw_type = p.read(_U32, f"the GGML type of tensor '{name}'")
+        offset = p.read(_U64, f"the data offset of tensor '{name}'")
         infos.append((name, dims, raw_type, offset))
     data_offset = -(-p.pos // alignment) * alignment
 
