@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-import gguf
 
-from jaxdist.errors import SpecError
+from jaxdist.errors import SpecError, WeightError
 from jaxdist.model import Model
+from jaxdist.weights.gguf import metadata as gguf_metadata
 
 __all__ = ["Exporter", "LoadedModel", "architecture_of", "find_exporter", "load_model"]
 
@@ -74,13 +74,12 @@ def architecture_of(path: str | os.PathLike[str]) -> str:
     p = pathlib.Path(path)
     if p.is_file() and p.suffix == ".gguf":
         try:
-            reader = gguf.GGUFReader(str(p), "r")
-        except Exception as exc:
+            arch = gguf_metadata(p).get("general.architecture")
+        except WeightError as exc:
             raise SpecError(f"model {p}: not a readable GGUF file: {exc}") from None
-        field = reader.fields.get("general.architecture")
-        if field is None:
+        if not arch:
             raise SpecError(f"model {p}: GGUF metadata has no general.architecture")
-        return bytes(field.parts[field.data[0]]).decode()
+        return str(arch)
     config = p / "config.json" if p.is_dir() else p.parent / "config.json"
     if not p.exists():
         raise SpecError(f"model {p}: no such file or directory")
