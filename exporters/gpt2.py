@@ -34,10 +34,11 @@ import jax.numpy as jnp
 
 from jaxdist.errors import SpecError
 from jaxdist.exporters import layers
+from jaxdist.exporters.source import Source, WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
 from jaxdist.exporting import LoadedModel
 from jaxdist.model import Model, Param, Unit
-from jaxdist.weights import WeightCache, WeightInfo
+from jaxdist.weights import WeightInfo
 from jaxdist.weights.gguf import metadata as gguf_metadata
 from jaxdist.weights.uri import resolve_path
 
@@ -115,8 +116,8 @@ class GPT2Config:
             SpecError: another architecture, or a missing key.
             WeightError: the file is outside the roots, missing, or not GGUF.
         """
-        with WeightCache(roots) as cache:
-            return _gguf_config(cache.metadata(path), cache.describe(path), str(path))
+        src = open_source(os.fspath(path), roots)
+        return _gguf_config(src.metadata, src.infos, str(path))
 
 
 def _hf_config(cfg: Mapping[str, Any], where: str) -> GPT2Config:
@@ -222,46 +223,29 @@ def _head(cfg: GPT2Config, return_logits: bool, params: dict[str, Any], state: d
 # The model
 
 
-class _Weights:
-    """Builds Params from a file's tensor table, checking each shape against the config."""
+class _Weights(WeightTable):
+    """GPT-2's weight table: GGUF matrices are (out, in) in NumPy order and bound transposed;
+    HF Conv1D weights are (in, out) already. Checkpoints may prefix names with ``transformer.``."""
 
-    def __init__(self, scheme: str, path: str, infos: Mapping[str, WeightInfo], dtype: str):
-        self.scheme, self.path, self.infos, self.dtype = scheme, path, infos, dtype
-        self.prefix = "transformer." if "transformer.wte.weight" in infos else ""
+    def __init__(self, source: Source, dtype: str) -> None:
+        prefix = "transformer." if "transformer.wte.weight" in source.infos else ""
+        super().__init__(source, _NAMES[source.scheme], dtype, family="GPT-2",
+                         fields={"p": prefix})
 
-    def name(self, logical: str, i: int = 0) -> str:
-        return _NAMES[self.scheme][logical].format(i=i, p=self.prefix)
-
-    def param(self, logical: str, shape: tuple[int, ...], i: int = 0) -> Param:
-        name = self.name(logical, i)
-        info = self.infos.get(name)
-        if info is None:
-            raise SpecError(f"{self.scheme} '{self.path}': tensor '{name}' is missing; the file "
-                            f"does not match its config (or is not a GPT-2 model)")
-        # GGUF matrices are (out, in) in NumPy order; HF Conv1D weights are (in, out) already.
-        transpose = self.scheme == "gguf" and len(shape) == 2 and logical.startswith("w_")
-        found = tuple(info.shape[::-1] if transpose else info.shape)
-        if found != tuple(shape):
-            raise SpecError(f"{self.scheme} '{self.path}': tensor '{name}' has shape "
-                            f"{tuple(info.shape)}, expected {shape[::-1] if transpose else shape} "
-                            f"from the config")
-        return Param(f"{self.scheme}://{self.path}#{name}", shape, self.dtype,
-                     transpose=transpose, quant=info.storage_type)
+    def param(self, logical: str, shape: tuple[int, ...], i: int = 0, *,
+              transpose: bool | None = None) -> Param:
+        if transpose is None:
+            transpose = self.scheme == "gguf" and len(shape) == 2 and logical.startswith("w_")
+        return super().param(logical, shape, i, transpose=transpose)
 
 
 def _load_source(path: str, roots: Roots, dtype: str) -> tuple[GPT2Config, _Weights, str]:
-    with WeightCache(roots) as cache:
-        if Path(path).suffix == ".gguf":
-            infos = cache.describe(path)
-            cfg = _gguf_config(cache.metadata(path), infos, path)
-            return cfg, _Weights("gguf", path, infos, dtype), "gguf"
-        dirs = [Path(path)] if Path(path).is_absolute() else [Path(r) / path for r in roots]
-        directory = next((p for p in dirs if (p / "config.json").is_file()), None)
-        if directory is None:
-            raise SpecError(f"'{path}': expected a .gguf file or a Hugging Face directory with "
-                            f"config.json under the weight roots {[os.fspath(r) for r in roots]}")
-        cfg = GPT2Config.from_hf(directory)
-        return cfg, _Weights("safetensors", path, cache.describe(str(directory)), dtype), "hf"
+    src = open_source(path, roots)
+    if src.scheme == "gguf":
+        cfg = _gguf_config(src.metadata, src.infos, path)
+    else:
+        cfg = GPT2Config.from_hf(src.directory)
+    return cfg, _Weights(src, dtype), "gguf" if src.scheme == "gguf" else "hf"
 
 
 def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4,
@@ -316,7 +300,7 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
              "w_down": w.param("w_down", (f, d), i), "b_down": w.param("b_down", (d,), i)}
         units.append(Unit(f"blk.{i}", block_fn, p, {"k": cache_shape, "v": cache_shape}))
     # llama.cpp's converter may write a copy of the embedding as output.weight; both are tied.
-    if w.name("output") in w.infos:
+    if w.has("output"):
         output = dataclasses.replace(w.param("output", (cfg.vocab, d)), shape=(d, cfg.vocab),
                                      transpose=True)
     else:

@@ -46,10 +46,11 @@ import numpy as np
 
 from jaxdist.errors import SpecError
 from jaxdist.exporters import layers
+from jaxdist.exporters.source import WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
 from jaxdist.exporting import LoadedModel
-from jaxdist.model import Model, Param, Unit
-from jaxdist.weights import WeightCache, WeightInfo
+from jaxdist.model import Model, Unit
+from jaxdist.weights import WeightInfo
 
 __all__ = ["EXPORTER", "LlamaConfig", "llama_model"]
 
@@ -126,8 +127,8 @@ class LlamaConfig:
             SpecError: another architecture, or inconsistent metadata.
             WeightError: the file is outside the roots, missing, or not GGUF.
         """
-        with WeightCache(roots) as cache:
-            return _gguf_config(cache.metadata(path), cache.describe(path), str(path))
+        src = open_source(os.fspath(path), roots)
+        return _gguf_config(src.metadata, src.infos, str(path))
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike[str]) -> LlamaConfig:
@@ -283,44 +284,14 @@ def _head(cfg: LlamaConfig, return_logits: bool, params: dict[str, Any], state: 
 # The model
 
 
-class _Weights:
-    """Builds Params from a file's tensor table, checking each shape against the config."""
-
-    def __init__(self, scheme: str, path: str, infos: Mapping[str, WeightInfo], dtype: str):
-        self.scheme, self.path, self.infos, self.dtype = scheme, path, infos, dtype
-
-    def has(self, logical: str, i: int = 0) -> bool:
-        return _NAMES[self.scheme][logical].format(i=i) in self.infos
-
-    def param(self, logical: str, shape: tuple[int, ...], i: int = 0, *,
-              transpose: bool = False) -> Param:
-        name = _NAMES[self.scheme][logical].format(i=i)
-        info = self.infos.get(name)
-        if info is None:
-            raise SpecError(f"{self.scheme} '{self.path}': tensor '{name}' is missing; the file "
-                            f"does not match its config (or is not a llama-family model)")
-        found = info.shape[::-1] if transpose else info.shape
-        if tuple(found) != tuple(shape):
-            raise SpecError(f"{self.scheme} '{self.path}': tensor '{name}' has shape "
-                            f"{tuple(info.shape)}, expected {shape[::-1] if transpose else shape} "
-                            f"from the config")
-        return Param(f"{self.scheme}://{self.path}#{name}", shape, self.dtype,
-                     transpose=transpose, quant=info.storage_type)
-
-
-def _load_source(path: str, roots: Roots, dtype: str) -> tuple[LlamaConfig, _Weights, str]:
-    with WeightCache(roots) as cache:
-        if Path(path).suffix == ".gguf":
-            infos = cache.describe(path)
-            cfg = _gguf_config(cache.metadata(path), infos, path)
-            return cfg, _Weights("gguf", path, infos, dtype), "gguf"
-        dirs = [Path(path)] if Path(path).is_absolute() else [Path(r) / path for r in roots]
-        directory = next((p for p in dirs if (p / "config.json").is_file()), None)
-        if directory is None:
-            raise SpecError(f"'{path}': expected a .gguf file or a Hugging Face directory with "
-                            f"config.json under the weight roots {[os.fspath(r) for r in roots]}")
-        cfg = LlamaConfig.from_hf(directory)
-        return cfg, _Weights("safetensors", path, cache.describe(str(directory)), dtype), "hf"
+def _load_source(path: str, roots: Roots, dtype: str) -> tuple[LlamaConfig, WeightTable, str]:
+    src = open_source(path, roots)
+    if src.scheme == "gguf":
+        cfg = _gguf_config(src.metadata, src.infos, path)
+    else:
+        cfg = LlamaConfig.from_hf(src.directory)
+    kind = "gguf" if src.scheme == "gguf" else "hf"
+    return cfg, WeightTable(src, _NAMES[src.scheme], dtype, family="llama-family"), kind
 
 
 def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4,
