@@ -6,18 +6,23 @@ configurations are built up front and stay alive for the whole run:
 
 * ``single``: :class:`~jaxdist.inprocess.InProcessPipeline` with one stage in this process. It
   runs the same exported artifact through the same ``WorkerStage`` code as a worker, without gRPC.
-* ``1w``, ``2w``, ``3w``: ``Cluster.local(n)`` with ``n`` stages, one per worker.
+* ``1w``, ``2w``, ``3w``: ``Cluster.local(n)`` with ``n`` stages, one per worker (exported for
+  ``cpu`` only, which is all these workers run).
 
 Every configuration is warmed up first (a short batch-1 generation, and a short batch-8 one where
 batch 8 is measured) so no compile lands in a timed run. Then the timed runs go round-robin over
-the configurations, so drift of a shared 2-core machine hits all of them alike. All of them
+the configurations, in an order that rotates each round, so drift of a shared 2-core machine
+hits all of them alike. All of them
 are greedy with ``ignore_eos=True`` and go through :class:`~jaxdist.generation.Generator`.
 
 Metrics (medians over the timed runs):
 
 * ``decode_tokens_per_s_{single,1w,2w,3w}``: batch 1, 64 new tokens; decode steps after the
   first token per second (``GenerationResult.tokens_per_s``). Baseline: single process.
-  Target of the 2-worker record: ``>= 0.9x`` single-process tokens/s.
+  Target of the 2-worker record: ``>= 0.9x`` single-process tokens/s. The detail adds
+  ``median_step_ms``/``p90_step_ms`` (from per-token timestamps; the median step shrugs off
+  bursts of load from other processes) and ``paired_ratio_median`` (each run against the
+  single-process run of the same round, adjacent in time).
 * ``ttft_s_{single,1w,2w,3w}``: time from submission to the first new token (prefill of the
   16-token bucket plus one pipeline traversal).
 * ``batch8_tokens_per_s_{single,2w}``: 8 different prompts at once (8 KV slots); aggregate
@@ -27,7 +32,11 @@ Metrics (medians over the timed runs):
 * ``rss_ratio_stage{k}``: in the 2-worker deployment, the RSS of the worker holding stage k
   (``cluster.info()``) measured while a session is live, over the bytes the stage must hold:
   ``spec.weight_bytes + spec.state_bytes`` (bound weights plus the KV cache of all slots).
-  Target ``<= 1.3x``. RSS of the 1- and 3-worker deployments is in the detail.
+  Target ``<= 1.3x``. The detail also has the worker's RSS before the deploy and
+  ``added_over_bound`` = (RSS - RSS before deploy) / bound bytes, which leaves out the fixed cost
+  of a worker process (Python, jaxlib, gRPC: about 200 MB). The snapshot is taken after the
+  batch-8 runs, so it includes every compiled shape. RSS of the 1- and 3-worker deployments
+  is in ``rss_by_config``.
 
 Each record carries the 1-minute load average when it was written (``loadavg_1m``), when the
 run started (``loadavg_1m_at_start``), and the range seen during its timed runs
@@ -38,15 +47,17 @@ Usage::
     python bench/decode.py [--quick] [--out results.json]
 
 Prints one JSON object per metric on stdout (``metric``, ``value``, ``unit``, ``baseline``,
-``baseline_value``, ``ratio``, ``target``, ``meets_target`` plus detail keys). The full run
-takes about 3 to 4 minutes on 2 cores with a cold compilation cache; ``--quick`` (fewer tokens
-and runs) under 2 minutes with a warm one.
+``baseline_value``, ``ratio``, ``target``, ``meets_target`` plus detail keys). On 2 cores the
+full run takes about 2 minutes with a warm persistent compilation cache and 2.5 minutes cold
+(the configurations compile in parallel); ``--quick`` about 55 s warm and 80 s cold.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import pathlib
@@ -85,8 +96,8 @@ class Plan:
     warmup_tokens: int = 4     # a short generation per configuration before timing
 
 
-FULL = Plan(new_tokens=64, runs=5, batch_runs=3)
-QUICK = Plan(new_tokens=32, runs=3, batch_runs=1)
+FULL = Plan(new_tokens=64, runs=7, batch_runs=5)
+QUICK = Plan(new_tokens=32, runs=3, batch_runs=2)
 
 
 @dataclass
@@ -98,8 +109,10 @@ class Config:
     gen: Any
     cluster: Any | None = None
     setup_s: float = 0.0
+    idle_rss: dict[str, int] = field(default_factory=dict)  # worker address -> RSS before deploy
     ttft: list[float] = field(default_factory=list)
     tps: list[float] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)   # every batch-1 decode step, seconds
     batch_tps: list[float] = field(default_factory=list)
     batch_e2e: list[float] = field(default_factory=list)
     load: list[float] = field(default_factory=list)
@@ -116,6 +129,11 @@ def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     m = len(s) // 2
     return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def _load() -> float:
@@ -170,45 +188,92 @@ def smollm2_path() -> pathlib.Path:
 # Building the configurations
 
 
-def _generator(pipe: Any, loaded: Any) -> Any:
+def _generator(pipe: Any, loaded: Any, depth: int = 1) -> Any:
     from jaxdist.generation import Generator
 
     o = loaded.options
+    # depth = stages: with several sequences, every stage works on a different part of the
+    # batch at once; with one sequence it changes nothing.
     return Generator(pipe, input_dtypes={k: v[1] for k, v in loaded.model.inputs.items()},
                      max_slots=o["max_slots"], max_seq=o["max_seq"],
-                     prefill_buckets=o["prefill_buckets"], eos_ids=o.get("eos_ids", ()))
+                     prefill_buckets=o["prefill_buckets"], eos_ids=o.get("eos_ids", ()),
+                     depth=depth)
+
+
+def _build_single(loaded: Any, root: str) -> Config:
+    from jaxdist.inprocess import InProcessPipeline
+
+    t0 = time.perf_counter()
+    pipe = InProcessPipeline(loaded.model, weights_roots=[root], stages=1)
+    cfg = Config("single", pipe, _generator(pipe, loaded), setup_s=time.perf_counter() - t0)
+    _note(f"single: bound and compiled in {cfg.setup_s:.1f}s")
+    return cfg
+
+
+def _build_workers(loaded: Any, root: str, n: int) -> Config:
+    from jaxdist.coordinator import Cluster
+
+    t0 = time.perf_counter()
+    cluster = Cluster.local(n, weights_roots=[root])
+    try:
+        idle = {c.address: int(i.rss_bytes) for c, i in zip(cluster.clients, cluster.info())}
+        pipe = cluster.deploy(loaded.model, stages=n, platforms=("cpu",))
+    except BaseException:
+        cluster.close()
+        raise
+    cfg = Config(f"{n}w", pipe, _generator(pipe, loaded, depth=n), cluster,
+                 setup_s=time.perf_counter() - t0, idle_rss=idle)
+    _note(f"{n}w: spawned and deployed in {cfg.setup_s:.1f}s")
+    return cfg
 
 
 def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack) -> list[Config]:
-    """The in-process pipeline, then one local cluster per worker count, each deployed."""
-    from jaxdist.coordinator import Cluster
-    from jaxdist.inprocess import InProcessPipeline
+    """The in-process pipeline and one local cluster per worker count, each deployed.
 
-    configs = []
-    t0 = time.perf_counter()
-    pipe = stack.enter_context(InProcessPipeline(loaded.model, weights_roots=[root], stages=1))
-    configs.append(Config("single", pipe, _generator(pipe, loaded),
-                          setup_s=time.perf_counter() - t0))
-    _note(f"single: bound and compiled in {configs[-1].setup_s:.1f}s")
-    for n in WORKER_COUNTS:
-        t0 = time.perf_counter()
-        cluster = stack.enter_context(Cluster.local(n, weights_roots=[root]))
-        pipe = cluster.deploy(loaded.model, stages=n, platforms=("cpu",))
-        configs.append(Config(f"{n}w", pipe, _generator(pipe, loaded), cluster,
-                              setup_s=time.perf_counter() - t0))
-        _note(f"{n}w: spawned and deployed in {configs[-1].setup_s:.1f}s")
-    return configs
+    Compiling dominates the setup, so the configurations are built in parallel threads (XLA
+    compiles outside the GIL, and the workers compile in their own processes). ``1w`` is built
+    after ``single``: it is the same computation, so it hits the persistent compilation cache.
+    """
+    def chain() -> list[Config]:
+        single = _build_single(loaded, root)
+        try:
+            return [single, _build_workers(loaded, root, 1)]
+        except BaseException:
+            single.pipe.close()
+            raise
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(chain)] + [pool.submit(_build_workers, loaded, root, n)
+                                          for n in WORKER_COUNTS if n != 1]
+    configs: list[Config] = []
+    error: Exception | None = None
+    for f in futures:  # every built configuration is closed on exit, even if another failed
+        try:
+            result = f.result()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after cleanup
+            error = error or exc
+            continue
+        for cfg in result if isinstance(result, list) else [result]:
+            stack.callback(cfg.cluster.close if cfg.cluster is not None else cfg.pipe.close)
+            configs.append(cfg)
+    if error is not None:
+        raise error
+    order = ["single", *(f"{n}w" for n in WORKER_COUNTS)]
+    return sorted(configs, key=lambda c: order.index(c.name))
 
 
 # ---------------------------------------------------------------------------------------------
 # The measurements
 
 
-def _batch1(cfg: Config, ids: list[int], n: int) -> Any:
+def _batch1(cfg: Config, ids: list[int], n: int) -> tuple[Any, list[float]]:
+    """One batch-1 generation: its result and the duration of each decode step."""
     from jaxdist.generation import SamplingParams
 
-    (result,) = cfg.gen.run([ids], SamplingParams(max_tokens=n, ignore_eos=True))
-    return result
+    stamps: list[float] = []
+    (result,) = cfg.gen.run([ids], SamplingParams(max_tokens=n, ignore_eos=True),
+                            on_token=lambda _i, _t: stamps.append(time.perf_counter()))
+    return result, [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def _batch8(cfg: Config, prompts: list[list[int]], n: int) -> tuple[float, float, list[Any]]:
@@ -227,7 +292,7 @@ def _batch8(cfg: Config, prompts: list[list[int]], n: int) -> tuple[float, float
 
 def measure(configs: Sequence[Config], batch_names: Sequence[str], ids: list[int],
             prompts: list[list[int]], plan: Plan) -> None:
-    """Warm up every configuration, then time them round-robin."""
+    """Warm up every configuration, then time them round-robin (the order rotates each round)."""
     for cfg in configs:
         t0 = time.perf_counter()
         _batch1(cfg, ids, plan.warmup_tokens)
@@ -235,8 +300,9 @@ def measure(configs: Sequence[Config], batch_names: Sequence[str], ids: list[int
             _batch8(cfg, prompts, plan.warmup_tokens)  # compiles the (8, 16) prefill shape
         _note(f"{cfg.name}: warm-up {time.perf_counter() - t0:.1f}s")
     for r in range(plan.runs):
-        for cfg in configs:
-            res = _batch1(cfg, ids, plan.new_tokens)
+        for cfg in _rotated(configs, r):
+            res, steps = _batch1(cfg, ids, plan.new_tokens)
+            cfg.steps.extend(steps)
             cfg.ttft.append(res.ttft_s)
             cfg.tps.append(res.tokens_per_s)
             cfg.load.append(_load())
@@ -244,9 +310,7 @@ def measure(configs: Sequence[Config], batch_names: Sequence[str], ids: list[int
         _note(f"batch 1, round {r + 1}/{plan.runs}: " + ", ".join(
             f"{c.name} {c.tps[-1]:.1f} tok/s" for c in configs))
     for r in range(plan.batch_runs):
-        for cfg in configs:
-            if cfg.name not in batch_names:
-                continue
+        for cfg in _rotated([c for c in configs if c.name in batch_names], r):
             agg, e2e, results = _batch8(cfg, prompts, plan.new_tokens)
             cfg.batch_tps.append(agg)
             cfg.batch_e2e.append(e2e)
@@ -254,6 +318,11 @@ def measure(configs: Sequence[Config], batch_names: Sequence[str], ids: list[int
             cfg.batch_tokens = cfg.batch_tokens or [res.tokens for res in results]
         _note(f"batch 8, round {r + 1}/{plan.batch_runs}: " + ", ".join(
             f"{c.name} {c.batch_tps[-1]:.1f} tok/s" for c in configs if c.name in batch_names))
+
+
+def _rotated(configs: Sequence[Config], r: int) -> list[Config]:
+    k = r % len(configs)
+    return [*configs[k:], *configs[:k]]
 
 
 def measure_rss(cfg: Config, ids: list[int], n: int) -> list[dict[str, Any]]:
@@ -281,13 +350,19 @@ def measure_rss(cfg: Config, ids: list[int], n: int) -> list[dict[str, Any]]:
                   in zip(cluster.clients, snapshot, after)}
     stages = []
     for k, spec in enumerate(cfg.pipe.specs):
-        live, idle = by_address[cfg.pipe.clients[k].address]
+        address = cfg.pipe.clients[k].address
+        live, ended = by_address[address]
         bound = spec.weight_bytes + spec.state_bytes
-        stages.append({"stage": k, "address": cfg.pipe.clients[k].address,
-                       "rss_bytes": int(live.rss_bytes), "rss_bytes_idle": int(idle.rss_bytes),
+        before = cfg.idle_rss[address]
+        stages.append({"stage": k, "address": address, "units": _units_of(spec),
+                       "rss_bytes": int(live.rss_bytes),
+                       "rss_bytes_session_ended": int(ended.rss_bytes),
+                       "rss_bytes_before_deploy": before,
                        "weight_bytes": int(spec.weight_bytes),
                        "state_bytes": int(spec.state_bytes), "bound_bytes": int(bound),
-                       "units": _units_of(spec), "ratio": live.rss_bytes / bound})
+                       "ratio": live.rss_bytes / bound,
+                       # What the stage adds to an idle worker process, over what it must hold.
+                       "added_over_bound": round((live.rss_bytes - before) / bound, 3)})
     return stages
 
 
@@ -313,9 +388,16 @@ def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]]
     for cfg in configs:
         tps, ttft = _median(cfg.tps), _median(cfg.ttft)
         stages = 1 if cfg.name == "single" else len(cfg.pipe.specs)
+        paired = [a / b for a, b in zip(cfg.tps, single.tps)]
         detail = {"config": cfg.name, "stages": stages, "runs": len(cfg.tps),
                   "tokens_per_s_runs": [round(x, 2) for x in cfg.tps],
                   "ms_per_step": round(1e3 / tps, 3),
+                  # Robust to bursts of load from other processes: the median single step.
+                  "median_step_ms": round(_median(cfg.steps) * 1e3, 3),
+                  "p90_step_ms": round(_quantile(cfg.steps, 0.9) * 1e3, 3),
+                  # Each run against the single-process run of the same round (adjacent in time).
+                  "paired_ratio_median": round(_median(paired), 4),
+                  "paired_ratio_range": [round(min(paired), 4), round(max(paired), 4)],
                   "tokens_match_single": cfg.tokens == single.tokens,
                   "setup_s": round(cfg.setup_s, 1),
                   "loadavg_1m_during": [min(cfg.load), max(cfg.load)]}
@@ -356,6 +438,8 @@ def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]]
                   "tokens_per_s_runs": [round(x, 2) for x in cfg.batch_tps],
                   "end_to_end_tokens_per_s": round(_median(cfg.batch_e2e), 2),
                   "speedup_over_batch1": round(agg / _median(cfg.tps), 3),
+                  "paired_ratio_median": round(_median(
+                      [x / y for x, y in zip(cfg.batch_tps, single.batch_tps)]), 4),
                   "tokens_match_single": cfg.batch_tokens == single.batch_tokens,
                   "loadavg_1m_during": [min(cfg.batch_load), max(cfg.batch_load)]}
         if cfg.name == "single":
@@ -367,8 +451,10 @@ def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]]
             out.append(_record(f"batch8_tokens_per_s_{cfg.name}", agg, "tokens/s",
                                "single process (InProcessPipeline, 1 stage)", base_b8,
                                agg / base_b8, "", None, **detail, **machine))
-    others = {name: [{k: s[k] for k in ("stage", "rss_bytes", "bound_bytes")} | {
-        "ratio": round(s["ratio"], 3)} for s in stages] for name, stages in rss.items()}
+    others = {name: [{k: s[k] for k in ("stage", "rss_bytes", "rss_bytes_before_deploy",
+                                        "bound_bytes", "added_over_bound")}
+                     | {"ratio": round(s["ratio"], 3)} for s in stages]
+              for name, stages in rss.items()}
     for s in rss["2w"]:
         out.append(_record(f"rss_ratio_stage{s['stage']}", s["ratio"], "x",
                            "bound bytes (spec.weight_bytes + spec.state_bytes)",
@@ -410,7 +496,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
         measure(configs, ("single", "2w"), ids, prompts, plan)
         rss = {c.name: measure_rss(c, ids, plan.new_tokens) for c in configs if c.cluster}
         single = configs[0]
-        loaded_detail["text_single"] = tok.decode(single.tokens or [])
+        loaded_detail["text_single_start"] = tok.decode((single.tokens or [])[:12])
         for r in make_records(configs, rss, plan, loaded_detail, machine):
             _emit(r, records)
     return records

@@ -37,6 +37,7 @@ from jaxdist.exporters import layers
 from jaxdist.exporters.source import Source, WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
 from jaxdist.exporting import LoadedModel
+from jaxdist.generation import step_buckets
 from jaxdist.model import Model, Param, Unit
 from jaxdist.weights import WeightInfo
 from jaxdist.weights.gguf import metadata as gguf_metadata
@@ -309,8 +310,7 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
                       {"ln_f_w": w.param("ln_f_w", (d,)), "ln_f_b": w.param("ln_f_b", (d,)),
                        "output": output}))
     prefill = tuple(int(n) for n in prefill_buckets if 1 <= int(n) <= max_seq)
-    buckets = [{"b": 1, "s": 1}] + ([{"b": max_slots, "s": 1}] if max_slots > 1 else [])
-    buckets += [{"b": 1, "s": n} for n in prefill]
+    buckets = step_buckets(max_slots, prefill)
     inputs = {"tokens": ("b, s", "int32"), "slot": ("b", "int32"), "pos": ("b", "int32"),
               "length": ("b", "int32"), "temperature": ("b", "float32"),
               "top_k": ("b", "int32"), "top_p": ("b", "float32"), "seed": ("b", "uint32")}

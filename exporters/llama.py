@@ -49,6 +49,7 @@ from jaxdist.exporters import layers
 from jaxdist.exporters.source import WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
 from jaxdist.exporting import LoadedModel
+from jaxdist.generation import step_buckets
 from jaxdist.model import Model, Unit
 from jaxdist.weights import WeightInfo
 
@@ -371,8 +372,7 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
     units.append(Unit("head", functools.partial(_head, cfg, return_logits),
                       {"norm": w.param("norm", (d,)), "output": output}))
     prefill = tuple(int(n) for n in prefill_buckets if 1 <= int(n) <= max_seq)
-    buckets = [{"b": 1, "s": 1}] + ([{"b": max_slots, "s": 1}] if max_slots > 1 else [])
-    buckets += [{"b": 1, "s": n} for n in prefill]
+    buckets = step_buckets(max_slots, prefill)
     inputs = {"tokens": ("b, s", "int32"), "slot": ("b", "int32"), "pos": ("b", "int32"),
               "length": ("b", "int32"), "temperature": ("b", "float32"),
               "top_k": ("b", "int32"), "top_p": ("b", "float32"), "seed": ("b", "uint32")}

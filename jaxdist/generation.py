@@ -18,6 +18,8 @@ sequence owns a slot from its prefill to its end, so sequences join and leave at
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -32,7 +34,7 @@ import numpy as np
 
 from jaxdist.errors import SpecError
 
-__all__ = ["GenerationResult", "Generator", "SamplingParams", "StepPipeline"]
+__all__ = ["GenerationResult", "Generator", "SamplingParams", "StepPipeline", "step_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,8 @@ class StepPipeline(Protocol):
     """What the engine needs of a pipeline: :class:`~jaxdist.coordinator.Pipeline` or
     :class:`~jaxdist.inprocess.InProcessPipeline`."""
 
-    def call(self, inputs: Mapping[str, Any] | None = None, *, session_id: str = "",
-             step: int = 0) -> dict[str, np.ndarray]: ...
+    def submit(self, inputs: Mapping[str, Any], *, session_id: str = "", step: int = 0
+               ) -> concurrent.futures.Future[dict[str, np.ndarray]]: ...
 
     def end_session(self, session_id: str) -> int: ...
 
@@ -122,6 +124,18 @@ def _pow2_at_least(n: int, cap: int) -> int:
     return min(b, cap)
 
 
+def step_buckets(max_slots: int, prefill_buckets: Sequence[int]) -> list[dict[str, int]]:
+    """Every step shape the :class:`Generator` sends, for exporters to compile ahead of time.
+
+    Prefill runs one sequence per step (``b = 1``) at a bucket length; decode runs all active
+    rows padded up to a power of two, capped at ``max_slots``. So no request ever waits for a
+    compile.
+    """
+    rows = sorted({_pow2_at_least(n, max_slots) for n in range(1, max_slots + 1)})
+    return [{"b": b, "s": 1} for b in rows] + [{"b": 1, "s": int(n)} for n in prefill_buckets
+                                               if int(n) > 1]
+
+
 class Generator:
     """Drives prefill and decode steps of a causal LM pipeline.
 
@@ -133,12 +147,15 @@ class Generator:
         prefill_buckets: prompt chunk lengths the workers compiled (ascending).
         eos_ids: the model's end-of-sequence ids.
         decode: ids -> text, for stop strings.
+        depth: steps kept in flight at once, on disjoint sequences. With ``depth`` equal to the
+            number of stages, every stage computes a different part of the batch at the same
+            time (pipeline parallelism); 1 is best for a single sequence or a single process.
     """
 
     def __init__(self, pipeline: StepPipeline, *, input_dtypes: Mapping[str, str],
                  max_slots: int, max_seq: int, prefill_buckets: Sequence[int],
-                 eos_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None
-                 ) -> None:
+                 eos_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None,
+                 depth: int = 1) -> None:
         self.pipeline = pipeline
         self.dtypes = dict(input_dtypes)
         self.max_slots = max_slots
@@ -146,13 +163,16 @@ class Generator:
         self.buckets = sorted(prefill_buckets)
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
+        if depth < 1:
+            raise SpecError(f"depth must be >= 1, got {depth}")
+        self.depth = depth
         if not self.buckets:
             raise SpecError("prefill_buckets must not be empty")
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _step(self, session: str, step: int, rows: list[tuple[_Seq, list[int]]], s: int
-              ) -> np.ndarray:
+    def _submit(self, session: str, step: int, rows: list[tuple[_Seq, list[int]]], s: int
+                ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
         b = _pow2_at_least(len(rows), self.max_slots)
         tokens = np.zeros((b, s), np.int64)
         slot = np.full((b,), self.max_slots, np.int64)  # padding rows: writes are dropped
@@ -174,10 +194,24 @@ class Generator:
             raise SpecError(f"the model expects step inputs {sorted(self.dtypes)}; the engine "
                             f"does not know how to fill {sorted(missing)}")
         arrays = {k: np.asarray(inputs[k], dtype=self.dtypes[k]) for k in self.dtypes}
-        out = self.pipeline.call(arrays, session_id=session, step=step)
-        return np.asarray(out["token"])[:len(rows)]
+        return self.pipeline.submit(arrays, session_id=session, step=step)
 
     # -- the engine -------------------------------------------------------------------------
+
+    def _next_rows(self, ready: list[_Seq], n_active: int
+                   ) -> tuple[list[tuple[_Seq, list[int]]], int]:
+        """The rows of the next step among ``ready`` sequences, and its tokens per row."""
+        prefilling = [q for q in ready if q.pending]
+        if prefilling:
+            # One sequence per prefill step, at the smallest bucket holding its next chunk:
+            # every such shape is compiled ahead of time (see step_buckets).
+            q = prefilling[0]
+            chunk = min(len(q.pending), self.buckets[-1])
+            s = next(b for b in self.buckets if b >= chunk)
+            return [(q, q.pending[:s])], s
+        decoding = [q for q in ready if not q.pending]
+        share = -(-n_active // self.depth)  # split the batch evenly over the steps in flight
+        return [(q, [q.tokens[-1]]) for q in decoding[:share]], 1
 
     def _finish_reason(self, seq: _Seq) -> str:
         tok = seq.tokens[-1]
@@ -226,6 +260,9 @@ class Generator:
         waiting = list(seqs)
         active: list[_Seq] = []
         free = list(range(self.max_slots))
+        inflight: collections.deque[tuple[Any, list[tuple[_Seq, list[int]]]]] = \
+            collections.deque()
+        busy: set[int] = set()
         t_submit = time.perf_counter()
         try:
             while waiting or active:
@@ -233,18 +270,20 @@ class Generator:
                     seq = waiting.pop(0)
                     seq.slot, seq.started = free.pop(0), t_submit
                     active.append(seq)
-                prefilling = [q for q in active if q.pending]
-                if prefilling:
-                    # Prefill the longest chunk first; rows of one step share a bucket length.
-                    chunk = max(min(len(q.pending), self.buckets[-1]) for q in prefilling)
-                    s = next(b for b in self.buckets if b >= chunk)
-                    rows = [(q, q.pending[:s]) for q in prefilling]
-                else:
-                    s = 1
-                    rows = [(q, [q.tokens[-1]]) for q in active]
-                next_tokens = self._step(session, next(steps), rows, s)
+                # Keep up to `depth` steps in flight, on disjoint rows, so every stage of the
+                # pipeline has work: the steps of one session stay in order on every stage.
+                while len(inflight) < self.depth:
+                    rows, s = self._next_rows([q for q in active if q.index not in busy],
+                                              len(active))
+                    if not rows:
+                        break
+                    inflight.append((self._submit(session, next(steps), rows, s), rows))
+                    busy.update(q.index for q, _ in rows)
+                future, rows = inflight.popleft()
+                next_tokens = np.asarray(future.result()["token"])[:len(rows)]
                 now = time.perf_counter()
                 for (q, toks), tok in zip(rows, next_tokens):
+                    busy.discard(q.index)
                     q.pos += len(toks)
                     if q.pending:
                         del q.pending[:len(toks)]
@@ -260,6 +299,11 @@ class Generator:
                     active.remove(q)
                     free.append(q.slot)
         finally:
+            for future, _ in inflight:  # after an error: let sent steps finish before ending
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - the first error is already propagating
+                    pass
             self.pipeline.end_session(session)
         return [GenerationResult(q.prompt, self._trim(q), q.done, q.first - q.started,
                                  q.last - q.first) for q in seqs]
