@@ -9,15 +9,18 @@ Environment variables:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
+import platform
 import re
 
 import jax
 import jaxlib
 
-__all__ = ["configure_compilation_cache", "default_artifact_cache", "default_compilation_cache"]
+__all__ = ["configure_compilation_cache", "default_artifact_cache", "default_compilation_cache",
+           "host_cpu_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +40,34 @@ def default_artifact_cache() -> pathlib.Path:
     return pathlib.Path(value) if value else _CACHE_HOME / "jaxdist" / "artifacts"
 
 
+def host_cpu_fingerprint() -> str:
+    """8 hex digits naming this host's CPU model and instruction-set flags."""
+    model = flags = ""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Processor", "cpu model") and not model:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(value.split()))
+    except OSError:  # not Linux: the platform module is the best we have
+        model = platform.processor()
+    text = f"{platform.machine()}|{model}|{flags}"
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def configure_compilation_cache(directory: str | os.PathLike[str] | None, device_kind: str = ""
                                 ) -> pathlib.Path | None:
     """Turn on JAX's persistent compilation cache under ``directory``.
 
     JAX's own cache key already covers the computation, the compile options, the jaxlib version
-    and the device kind. We still namespace the directory by jaxlib version and device kind so a
-    cache shared between machines or upgraded in place can never hand back a wrong entry, and so
-    stale generations can be deleted as a whole.
+    and the device kind. We still namespace the directory by jaxlib version and device kind
+    (``DIR/jaxlib-0.10.2/NVIDIA_H100``) so a cache shared between machines or upgraded in place
+    can never hand back a wrong entry, and so stale generations can be deleted as a whole. On
+    CPU the device kind is just ``cpu`` while XLA compiles for the host's instruction set, so
+    the CPU directory also carries a fingerprint of the host CPU (``cpu-1a2b3c4d``): a cache on
+    shared storage never feeds an AVX-512 executable to a machine without AVX-512.
 
     Args:
         directory: cache root, or ``None`` to leave the cache off.
@@ -56,6 +79,8 @@ def configure_compilation_cache(directory: str | os.PathLike[str] | None, device
     if directory is None:
         return None
     kind = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_kind or jax.default_backend())
+    if kind.lower() == "cpu":
+        kind = f"cpu-{host_cpu_fingerprint()}"
     path = pathlib.Path(directory) / f"jaxlib-{jaxlib.__version__}" / kind
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))

@@ -2,8 +2,10 @@
 
 :class:`Cluster` holds the workers. :meth:`Cluster.deploy` partitions a model into stages, exports
 each (:func:`build_stage_specs`), ships the artifacts and loads the stages, and returns a running
-:class:`~jaxdist.pipeline.Pipeline`. The running side (streaming, subscriptions, heartbeats,
-sessions) lives in :mod:`jaxdist.pipeline`; ``Pipeline`` and ``Session`` are re-exported here.
+:class:`~jaxdist.pipeline.Pipeline`. :meth:`Cluster.deploy_manifest` does the same from a model
+exported earlier into a registry (:mod:`jaxdist.manifest`), with no tracing. The running side
+(streaming, subscriptions, heartbeats, sessions) lives in :mod:`jaxdist.pipeline`; ``Pipeline``
+and ``Session`` are re-exported here.
 
 Example:
     >>> with Cluster.local(2, weights_roots=[root]) as cluster:      # doctest: +SKIP
@@ -16,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,16 +29,19 @@ import grpc
 import jax
 
 from jaxdist import artifacts
-from jaxdist.errors import JaxdistError, SpecError, TransportError
+from jaxdist.errors import ArtifactError, JaxdistError, SpecError, TransportError
 from jaxdist.local import LocalWorker, spawn_workers, stop_workers
+from jaxdist.manifest import Manifest, open_manifest
 from jaxdist.model import Model, Unit
 from jaxdist.partition import balanced_split, explicit_split
 from jaxdist.pipeline import Pipeline, Session
 from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.registry import open_registry
 from jaxdist.spec import ShapeBucket, StageSpec, StateSig, TensorSig, Versions
 from jaxdist.transport.client import WorkerClient
 
-__all__ = ["Cluster", "Pipeline", "Session", "Progress", "build_stage_specs"]
+__all__ = ["Cluster", "Pipeline", "Session", "Progress", "StageLoad", "build_stage_specs",
+           "plan_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,20 @@ def _stage_fn(units: Sequence[Unit]) -> Callable[..., Any]:
 
     stage.__name__ = f"stage_{units[0].name}_{units[-1].name}"
     return stage
+
+
+@dataclass(frozen=True)
+class StageLoad:
+    """How one stage got onto its worker (:meth:`Cluster.stage_loads`)."""
+
+    stage: int
+    address: str
+    digest: str
+    uploaded: bool          # the worker lacked the artifact, so it was uploaded
+    already_loaded: bool    # the worker had this exact stage loaded already
+    bind_s: float           # weights resolved, laid out and put on the device
+    compile_s: float        # every shape bucket compiled (or fetched from the XLA cache)
+    weight_bytes: int
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,16 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
     return built
 
 
+def plan_stages(model: Model, *, stages: int | None = None, split: Sequence[int] | None = None,
+                capacities: Sequence[float] | None = None) -> list[range]:
+    """The units of each stage: ``split`` (unit counts) if given, else ``stages`` stages
+    balanced by weight plus state bytes (weighted by ``capacities``)."""
+    if split is not None:
+        return explicit_split(len(model.units), split)
+    costs = [u.weight_bytes + u.state_bytes + 1 for u in model.units]
+    return balanced_split(costs, stages or 1, capacities)
+
+
 # ---------------------------------------------------------------------------------------------
 # The cluster
 
@@ -148,6 +178,7 @@ class Cluster:
         self.heartbeat_timeout = heartbeat_timeout
         self._local: list[LocalWorker] = []
         self._pipelines: list[Pipeline] = []
+        self._loads: dict[str, list[StageLoad]] = {}
 
     @property
     def addresses(self) -> list[str]:
@@ -196,12 +227,15 @@ class Cluster:
     def info(self) -> list[pb.InfoReply]:
         return [c.info() for c in self.clients]
 
-    def deploy(self, model: Model, *, stages: int | None = None,
+    def deploy(self, model: Model | Manifest, *, stages: int | None = None,
                split: Sequence[int] | None = None, workers: Sequence[str] | None = None,
                platforms: Sequence[str] = ("cpu", "cuda", "tpu"), device: str = "auto",
                capacities: Sequence[float] | None = None,
-               progress: Progress | None = None) -> Pipeline:
+               progress: Progress | None = None, **manifest_options: Any) -> Pipeline:
         """Partition, export, ship and load a model; return a running pipeline.
+
+        Given a :class:`~jaxdist.manifest.Manifest` instead of a model, this is
+        :meth:`deploy_manifest` (no tracing); pass its ``registry`` and ``model_path`` here.
 
         Args:
             model: the units and input signature.
@@ -218,40 +252,158 @@ class Cluster:
             SpecError: impossible split. Typed errors of the workers (WeightError, DeviceError,
                 ArtifactError, ...) name the worker that raised them.
         """
+        if isinstance(model, Manifest):
+            if stages is not None or split is not None or capacities is not None:
+                raise SpecError(f"manifest of {model.model.name!r} is partitioned already "
+                                f"({len(model.stages)} stages); stages, split and capacities "
+                                f"apply when exporting (jaxdist export --stages)")
+            return self.deploy_manifest(model, workers=workers, device=device,
+                                        progress=progress, **manifest_options)
+        if manifest_options:
+            raise SpecError(f"deploy of a Model takes no {sorted(manifest_options)}; those "
+                            f"options are for a Manifest")
         progress = progress or _no_progress
+        order = self._order(workers)
+        ranges = plan_stages(model, stages=stages or min(len(order), len(model.units)),
+                             split=split, capacities=capacities)
+        built = build_stage_specs(model, ranges, platforms=platforms, progress=progress)
+        by_digest = {b.artifact.digest: b.artifact.data for b in built}
+        pipeline_id = f"{model.name or 'model'}-{uuid.uuid4().hex[:8]}"
+        return self._ship(pipeline_id, [b.spec for b in built], order, device,
+                          by_digest.__getitem__, progress, model=model)
+
+    def deploy_manifest(self, manifest: Manifest | str, *, registry: Any = None,
+                        model_path: str | None = None, workers: Sequence[str] | None = None,
+                        device: str = "auto", progress: Progress | None = None) -> Pipeline:
+        """Deploy an exported model from its manifest and registry; nothing is traced.
+
+        Digest first: each artifact is fetched from the registry (and checked) and uploaded
+        only to workers that lack it, so a warm worker costs one ``HasArtifact`` per stage.
+
+        Args:
+            manifest: a :class:`~jaxdist.manifest.Manifest`, or a reference
+                :func:`~jaxdist.manifest.open_manifest` understands (path, URL, or a name or
+                digest in ``registry``).
+            registry: where the artifacts are: a registry object, a directory or a URL.
+                Default: the registry the manifest was read from.
+            model_path: where the workers hold the model (relative to a weights root, or
+                absolute); substitutes ``{model}`` in the weight URIs. Default: the path the
+                manifest recorded at export.
+            workers: addresses to place stages on, in order; stage k lands on
+                ``workers[k % len(workers)]``.
+            device: the device directive every stage carries.
+            progress: ``progress(what, done, total)`` callback.
+
+        Returns:
+            The running :class:`~jaxdist.pipeline.Pipeline`; its stages stay loaded until it is
+            closed with ``unload=True`` (``Cluster.close`` leaves them loaded).
+
+        Raises:
+            SpecError: malformed manifest, or a model path it cannot take.
+            ArtifactError: an artifact is missing from the registry or corrupt there, or a
+                worker refuses it (version window, platform, custom call).
+
+        Example:
+            >>> pipe = cluster.deploy_manifest(  # doctest: +SKIP
+            ...     "reg/manifests/mlp-ab12...json", model_path="models/mlp.safetensors")
+        """
+        progress = progress or _no_progress
+        store = open_registry(registry) if isinstance(registry, (str, os.PathLike)) else registry
+        if not isinstance(manifest, Manifest):
+            manifest, _, found = open_manifest(str(manifest), store)
+            store = store or found
+        specs = manifest.stage_specs(model_path)
+        fetched: dict[str, bytes] = {}
+        fetch_lock = threading.Lock()
+
+        def fetch(digest: str) -> bytes:
+            if store is None:
+                raise ArtifactError(
+                    f"artifact {digest} is not on the worker, and no registry was given to fetch "
+                    f"it from; pass registry= (--registry DIR|URL)")
+            with fetch_lock:  # one fetch per digest, however many workers need it
+                if digest not in fetched:
+                    fetched[digest] = store.get(digest)
+                return fetched[digest]
+
+        name = manifest.model.name or "model"
+        pipeline_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        return self._ship(pipeline_id, specs, self._order(workers), device, fetch, progress)
+
+    def attach(self, pipeline_id: str, manifest: Manifest | None = None,
+               model_path: str | None = None) -> Pipeline:
+        """A :class:`Pipeline` for stages already loaded on the workers (e.g. by ``jaxdist
+        deploy``), found through ``Info``. With a manifest, the stages' digests are checked
+        against it and the pipeline carries its specs.
+
+        Raises:
+            SpecError: the pipeline is not loaded, has missing stages, or runs other artifacts
+                than the manifest's.
+        """
+        found: dict[int, tuple[WorkerClient, str]] = {}
+        for c in self.clients:
+            for st in c.info().stages:
+                if st.pipeline_id == pipeline_id:
+                    found[st.stage_index] = (c, st.artifact_digest)
+        if not found:
+            raise SpecError(f"pipeline {pipeline_id!r} is not loaded on any of "
+                            f"{self.addresses} (jaxdist status lists what is)")
+        n = max(found) + 1
+        missing = [k for k in range(n) if k not in found]
+        if missing or (manifest is not None and len(manifest.stages) != n):
+            raise SpecError(f"pipeline {pipeline_id!r}: stages {missing or list(range(n))} are "
+                            f"loaded on {self.addresses}, which does not make a whole pipeline"
+                            + (f" of the manifest's {len(manifest.stages)}" if manifest else ""))
+        specs: list[StageSpec] = []
+        if manifest is not None:
+            for k, spec in enumerate(manifest.stage_specs(model_path)):
+                if spec.artifact_digest != found[k][1]:
+                    raise SpecError(f"pipeline {pipeline_id!r} stage {k} runs "
+                                    f"{found[k][1][:19]}.., the manifest says "
+                                    f"{spec.artifact_digest[:19]}..")
+                specs.append(spec.replace(stage_id=f"{pipeline_id}/{k}"))
+        pipe = Pipeline(self, pipeline_id, specs, [found[k][0] for k in range(n)],
+                        heartbeat_timeout=self.heartbeat_timeout)
+        self._pipelines.append(pipe)
+        return pipe
+
+    def _order(self, workers: Sequence[str] | None) -> list[str]:
         order = list(workers) if workers else self.addresses
-        clients = {c.address: c for c in self.clients}
-        unknown = [a for a in order if a not in clients]
+        unknown = [a for a in order if a not in self.addresses]
         if unknown:
             raise TransportError(f"workers {unknown} are not in this cluster ({self.addresses})")
-        n_units = len(model.units)
-        if split is not None:
-            ranges = explicit_split(n_units, split)
-        else:
-            n = stages or min(len(order), n_units)
-            costs = [u.weight_bytes + u.state_bytes + 1 for u in model.units]
-            ranges = balanced_split(costs, n, capacities)
-        built = build_stage_specs(model, ranges, platforms=platforms, progress=progress)
-        pipeline_id = f"{model.name or 'model'}-{uuid.uuid4().hex[:8]}"
+        return order
+
+    def _ship(self, pipeline_id: str, built: Sequence[StageSpec], order: Sequence[str],
+              device: str, fetch: Callable[[str], bytes], progress: Progress, *,
+              model: Model | None = None) -> Pipeline:
+        """Place specs, upload what each worker lacks (digest first), load every stage."""
+        clients = {c.address: c for c in self.clients}
         placed = [order[k % len(order)] for k in range(len(built))]
-        specs = []
-        for k, b in enumerate(built):
-            specs.append(b.spec.replace(
-                device=device, stage_id=f"{pipeline_id}/{k}",
-                next_hop=placed[k + 1] if k + 1 < len(built) else ""))
+        specs = [spec.replace(device=device, stage_id=f"{pipeline_id}/{k}",
+                              next_hop=placed[k + 1] if k + 1 < len(built) else "")
+                 for k, spec in enumerate(built)]
         done = itertools.count(1)
         total = len(specs)
         lock = threading.Lock()
 
-        def ship(k: int) -> pb.LoadStageReply:
-            client, art = clients[placed[k]], built[k].artifact
-            if not client.has_artifact(art.digest):
-                client.upload_artifact(art.digest, art.data)
-            reply = client.load_stage(specs[k], pipeline_id)
+        def ship(k: int) -> StageLoad:
+            client, digest = clients[placed[k]], specs[k].artifact_digest
+            uploaded = not client.has_artifact(digest)
+            if uploaded:
+                client.upload_artifact(digest, fetch(digest))
+            try:
+                reply = client.load_stage(specs[k], pipeline_id)
+            except ArtifactError as exc:  # name the exporting versions beside the worker's
+                v = specs[k].versions
+                raise ArtifactError(f"{exc} [stage {k} was exported with jax {v.jax}, jaxlib "
+                                    f"{v.jaxlib}, StableHLO {v.stablehlo}]", code=exc.code
+                                    ) from None
             with lock:
                 progress(f"stage {k} loaded on {placed[k]} ({reply.weight_bytes / 1e6:.1f} MB, "
                          f"compile {reply.compile_s:.1f}s)", next(done), total)
-            return reply
+            return StageLoad(k, placed[k], digest, uploaded, reply.already_loaded,
+                             reply.bind_s, reply.compile_s, reply.weight_bytes)
 
         progress("shipping stages", 0, total)
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, total)) as pool:
@@ -266,10 +418,21 @@ class Cluster:
                     except JaxdistError:
                         pass
             raise first
+        self._loads[pipeline_id] = [f.result() for f in futures]
         pipe = Pipeline(self, pipeline_id, specs, [clients[a] for a in placed],
                         heartbeat_timeout=self.heartbeat_timeout, model=model)
         self._pipelines.append(pipe)
         return pipe
+
+    def stage_loads(self, pipeline_id: str) -> list[StageLoad]:
+        """How each stage of a pipeline this cluster deployed was loaded (upload, bind, compile).
+
+        Raises:
+            SpecError: this cluster did not deploy ``pipeline_id``.
+        """
+        if pipeline_id not in self._loads:
+            raise SpecError(f"pipeline {pipeline_id!r} was not deployed by this cluster")
+        return list(self._loads[pipeline_id])
 
     def close(self) -> None:
         for p in self._pipelines:

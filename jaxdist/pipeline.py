@@ -91,15 +91,16 @@ class Pipeline:
     def _listen(self, address: str, call: Any) -> None:
         asm = FrameAssembler()
         try:
-            for event in call:
+            for view in call:  # frames.EventView (see jaxdist.transport.wire)
                 self._last_seen[address] = time.monotonic()
-                kind = event.WhichOneof("kind")
-                if kind == "result":
-                    done = asm.add(event.result)
+                if view.result is not None:
+                    done = asm.add(view.result)
                     if done is not None:
                         header, tensors = done
                         self._resolve(header.request_id, tensors)
-                elif kind == "error":
+                    continue
+                event = view.msg
+                if event.WhichOneof("kind") == "error":
                     e = event.error
                     self._reject(event.request_id, RemoteStageError(
                         e.message, stage=e.stage, address=e.address or address,

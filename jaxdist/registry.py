@@ -1,9 +1,15 @@
-"""A local, content-addressed artifact store.
+"""A local, content-addressed artifact store, and the layout every registry shares.
 
 Artifacts are addressed by ``sha256:<64 hex>`` (:func:`jaxdist.artifacts.digest_of`). On disk::
 
     ROOT/sha256/ab/abcdef...        the artifact bytes (``ab`` = first two hex digits)
     ROOT/sha256/ab/abcdef....json   optional sidecar metadata (e.g. ``ArtifactMeta.to_dict()``)
+    ROOT/manifests/NAME-HEX.json    manifests (:mod:`jaxdist.manifest`); HEX = sha256 of the file
+
+The same layout served by any URL that ``fsspec`` reads (``http://``, ``file://``, ``s3://``,
+...) is a registry too: :class:`jaxdist.urlregistry.UrlRegistry`. :func:`open_registry` picks
+the class from the location. A worker's artifact cache (``--artifact-cache``) is a
+LocalRegistry.
 
 Writes are atomic (a temp file in the same directory, fsync, ``os.replace``), so a reader never
 sees a half-written artifact and a crash leaves at most a ``.tmp-*`` file that :meth:`list`
@@ -32,13 +38,16 @@ from typing import Any, Protocol, runtime_checkable
 from jaxdist.artifacts import digest_of
 from jaxdist.errors import ArtifactError
 
-__all__ = ["ArtifactEntry", "ArtifactStore", "LocalRegistry"]
+__all__ = ["ArtifactEntry", "ArtifactStore", "LocalRegistry", "ManifestEntry", "find_manifest",
+           "manifest_filename", "open_registry", "Registry"]
 
 logger = logging.getLogger(__name__)
 
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 _TMP_PREFIX = ".tmp-"
+_MANIFEST_FILE_RE = re.compile(r"^(?P<name>.+)-(?P<hex>[0-9a-f]{64})\.json$")
+MANIFESTS = "manifests"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +63,66 @@ class ArtifactEntry:
     digest: str
     size: int
     mtime: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestEntry:
+    """One stored manifest.
+
+    Attributes:
+        name: the model name it was stored under.
+        digest: ``sha256:<hex>`` of the manifest file.
+        size: bytes.
+        mtime: modification time (seconds since the epoch; 0 when the store does not say).
+        location: path or URL of the file.
+    """
+
+    name: str
+    digest: str
+    size: int
+    mtime: float
+    location: str
+
+
+def manifest_filename(name: str, digest: str) -> str:
+    """``NAME-HEX.json``: the file name a manifest is stored under (name made path-safe)."""
+    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).strip("._") or "model"
+    return f"{safe[:100]}-{_hex_of(digest)}.json"
+
+
+def parse_manifest_filename(filename: str) -> tuple[str, str] | None:
+    """``(name, digest)`` of a manifest file name, or ``None`` if it is not one."""
+    m = _MANIFEST_FILE_RE.match(filename)
+    return (m["name"], f"sha256:{m['hex']}") if m else None
+
+
+def find_manifest(entries: list[ManifestEntry], ref: str, where: str) -> ManifestEntry:
+    """Resolve ``ref`` among stored manifests: a file name, a digest or digest prefix (at least
+    6 hex digits, ``sha256:`` optional), or a model name (the newest manifest of that name).
+
+    Raises:
+        ArtifactError: nothing matches, or a digest prefix is ambiguous.
+    """
+    ref = ref.strip()
+    by_file = [e for e in entries if e.location.rpartition("/")[2] == ref
+               or Path(e.location).name == ref]
+    if by_file:
+        return by_file[0]
+    hex_ref = ref.removeprefix("sha256:")
+    if re.fullmatch(r"[0-9a-f]{6,64}", hex_ref):
+        hits = [e for e in entries if e.digest.removeprefix("sha256:").startswith(hex_ref)]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise ArtifactError(f"manifest digest prefix {ref!r} is ambiguous in {where}: "
+                                f"{', '.join(e.digest[:19] for e in hits)}; give more digits")
+    named = sorted((e for e in entries if e.name == ref), key=lambda e: e.mtime)
+    if named:
+        return named[-1]
+    known = sorted({e.name for e in entries})
+    raise ArtifactError(f"no manifest {ref!r} in {where}; it holds manifests of "
+                        f"{known or 'no model'} (jaxdist registry ls lists them)",
+                        code="NOT_FOUND")
 
 
 @runtime_checkable
@@ -81,6 +150,34 @@ class ArtifactStore(Protocol):
         ...
 
 
+@runtime_checkable
+class Registry(ArtifactStore, Protocol):
+    """An artifact store that also holds manifests: :class:`LocalRegistry` and
+    :class:`jaxdist.urlregistry.UrlRegistry`."""
+
+    location: str
+    writable: bool
+
+    def meta(self, digest: str) -> dict[str, Any] | None:
+        """The artifact's sidecar metadata, or ``None``."""
+        ...
+
+    def put_manifest(self, data: bytes, name: str) -> ManifestEntry:
+        ...
+
+    def get_manifest(self, digest: str) -> bytes:
+        ...
+
+    def list_manifests(self) -> list[ManifestEntry]:
+        ...
+
+    def find_manifest(self, ref: str) -> ManifestEntry:
+        ...
+
+    def delete_manifest(self, digest: str) -> None:
+        ...
+
+
 def _hex_of(digest: str) -> str:
     match = _DIGEST_RE.match(digest) if isinstance(digest, str) else None
     if match is None:
@@ -95,6 +192,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
     fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
     try:
+        # mkstemp makes the file private (0600); a registry is meant to be read by others (a
+        # web server serving it, other users' workers), like any file written with open().
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -112,17 +212,31 @@ class LocalRegistry:
     """A content-addressed artifact store in a local directory (see the module docstring).
 
     Args:
-        root: the store's directory; created if missing.
+        root: the store's directory.
+        create: create ``root`` if missing; otherwise a missing root is an error (so a typo in
+            a path to read from does not look like an empty registry).
 
     Raises:
-        ArtifactError: ``root`` exists and is not a directory.
+        ArtifactError: ``root`` exists and is not a directory, or is missing and not created.
     """
 
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+    writable = True
+
+    def __init__(self, root: str | Path, *, create: bool = True) -> None:
+        self.root = Path(root).expanduser()
         if self.root.exists() and not self.root.is_dir():
             raise ArtifactError(f"artifact registry root {self.root} exists and is not a directory")
-        (self.root / "sha256").mkdir(parents=True, exist_ok=True)
+        if not create and not self.root.is_dir():
+            raise ArtifactError(f"artifact registry {self.root} does not exist; export a model "
+                                f"into it first (jaxdist export --registry {self.root})",
+                                code="NOT_FOUND")
+        if create:
+            (self.root / "sha256").mkdir(parents=True, exist_ok=True)
+
+    @property
+    def location(self) -> str:
+        """The registry's directory, as a string (messages, ``jaxdist registry ls``)."""
+        return str(self.root)
 
     def __repr__(self) -> str:
         return f"LocalRegistry({str(self.root)!r})"
@@ -247,3 +361,76 @@ class LocalRegistry:
                                 code="NOT_FOUND") from None
         path.with_name(path.name + ".json").unlink(missing_ok=True)
         logger.info("deleted artifact %s from %s", digest, self.root)
+
+    # -- manifests ---------------------------------------------------------------------------
+
+    def put_manifest(self, data: bytes, name: str) -> ManifestEntry:
+        """Store a manifest's bytes as ``manifests/NAME-HEX.json`` (idempotent)."""
+        digest = digest_of(bytes(data))
+        path = self.root / MANIFESTS / manifest_filename(name, digest)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not (path.is_file() and digest_of(path.read_bytes()) == digest):
+            _write_atomic(path, bytes(data))
+            logger.info("stored manifest %s of %s in %s", digest, name, self.root)
+        return ManifestEntry(name, digest, len(data), path.stat().st_mtime, str(path))
+
+    def list_manifests(self) -> list[ManifestEntry]:
+        """Every stored manifest, oldest first."""
+        entries = []
+        for path in (self.root / MANIFESTS).glob("*.json"):
+            parsed = parse_manifest_filename(path.name)
+            if parsed is not None and path.is_file():
+                stat = path.stat()
+                entries.append(ManifestEntry(parsed[0], parsed[1], stat.st_size, stat.st_mtime,
+                                             str(path)))
+        return sorted(entries, key=lambda e: (e.mtime, e.name))
+
+    def find_manifest(self, ref: str) -> ManifestEntry:
+        """See :func:`find_manifest`."""
+        return find_manifest(self.list_manifests(), ref, f"registry {self.root}")
+
+    def get_manifest(self, digest: str) -> bytes:
+        """A stored manifest's bytes, verified against its digest.
+
+        Raises:
+            ArtifactError: missing, or corrupt (the bytes hash to something else).
+        """
+        _hex_of(digest)
+        entry = next((e for e in self.list_manifests() if e.digest == digest), None)
+        if entry is None:
+            raise ArtifactError(f"manifest {digest} not in registry at {self.root}",
+                                code="NOT_FOUND")
+        data = Path(entry.location).read_bytes()
+        if digest_of(data) != digest:
+            raise ArtifactError(f"manifest {digest} in registry at {self.root} is corrupt: "
+                                f"{entry.location} hashes to {digest_of(data)}. Export it again")
+        return data
+
+    def delete_manifest(self, digest: str) -> None:
+        """Remove a stored manifest (its artifacts stay until ``gc``)."""
+        entries = [e for e in self.list_manifests() if e.digest == digest]
+        if not entries:
+            raise ArtifactError(f"manifest {digest} not in registry at {self.root}",
+                                code="NOT_FOUND")
+        for e in entries:
+            Path(e.location).unlink(missing_ok=True)
+
+
+def open_registry(location: str | os.PathLike[str], *, create: bool = False) -> Registry:
+    """The registry at ``location``: a directory (:class:`LocalRegistry`) or a URL that fsspec
+    reads (:class:`jaxdist.urlregistry.UrlRegistry`: ``file://``, ``http(s)://``, ``s3://``, ...).
+
+    Args:
+        location: directory or URL.
+        create: create a missing local directory (for writing); otherwise it must exist.
+
+    Raises:
+        ArtifactError: the location cannot be opened (missing directory, unknown URL scheme, or
+            the fsspec backend for it is not installed).
+    """
+    text = os.fspath(location)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+        from jaxdist.urlregistry import UrlRegistry  # fsspec is imported only for URLs
+
+        return UrlRegistry(text, create=create)
+    return LocalRegistry(text, create=create)

@@ -181,9 +181,15 @@ class WorkerStage:
             except KeyError as exc:
                 raise SpecError(f"stage {self.spec.stage_index}: bucket {dict(dims)} does not bind "
                                 f"symbol {exc.args[0]!r} of input {sig.name!r}") from None
-        return self._compile_shapes(tuple(shapes))
+        return self.compile_shapes(tuple(shapes))
 
-    def _compile_shapes(self, shapes: tuple[tuple[int, ...], ...]) -> float:
+    def is_compiled(self, shapes: tuple[tuple[int, ...], ...]) -> bool:
+        """Whether :meth:`run` has an executable for these input shapes (no compile on call)."""
+        return shapes in self._compiled
+
+    def compile_shapes(self, shapes: tuple[tuple[int, ...], ...]) -> float:
+        """Compile for concrete input shapes (as :meth:`check_inputs` returns them), once.
+        Returns seconds spent (0 when compiled already)."""
         with self._lock:
             if shapes in self._compiled:
                 return 0.0
@@ -261,7 +267,7 @@ class WorkerStage:
         if shapes not in self._compiled:
             log.info("stage %d: input shapes %s not in any bucket; compiling now",
                      self.spec.stage_index, shapes)
-            self._compile_shapes(shapes)
+            self.compile_shapes(shapes)
         if self._state_names:
             if state is None:
                 raise SpecError(f"stage {self.spec.stage_index}: this stage keeps state "

@@ -138,3 +138,60 @@ def test_error_limits():
 def test_error_garbage_bytes():
     with pytest.raises(CodecError, match="malformed tensor bytes"):
         codec.from_bytes(b"\xff\xff\xff\xff\x0f")
+
+
+def _wire_group(tensors, chunk_bytes):
+    return [c for g in codec.group_chunks(tensors, chunk_bytes=chunk_bytes) for c in g]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int64, np.bool_],
+                         ids=lambda d: np.dtype(d).name)
+def test_tensor_pieces_are_protobuf_tensors(dtype):
+    arr = (np.arange(60) % 7).astype(dtype).reshape(3, 4, 5)
+    group = _wire_group({"a": arr, "empty": np.zeros((0, 3), dtype)}, chunk_bytes=16)
+    pieces, size = codec.tensor_pieces(group, 5)  # as Frame.tensors
+    data = b"".join(pieces)
+    assert len(data) == size
+    frame = pb.Frame.FromString(data)
+    assert [codec.chunk_of(t)[:3] for t in frame.tensors] == [c[:3] for c in group]
+    np.testing.assert_array_equal(codec.decode_tensors(frame.tensors)["a"], arr)
+
+
+def test_parse_tensor_reads_what_protobuf_writes():
+    arr = np.arange(12, dtype=np.int32).reshape(3, 4)
+    for msg in codec.encode("x", arr, chunk_bytes=20):
+        raw = memoryview(msg.SerializeToString())
+        name, enum, shape, data, offset, total = codec.parse_tensor(raw, 0, len(raw))
+        assert (name, enum, shape, bytes(data), offset, total) == (
+            msg.name, msg.dtype, list(msg.shape), msg.data, msg.offset, msg.total_bytes)
+        assert isinstance(data, memoryview) and data.obj is raw.obj  # a view, not a copy
+
+
+def test_parse_tensor_unpacked_shape_and_unknown_fields():
+    # Field 3 as separate varints (legal, though proto3 writers pack it) and a field 15
+    # a newer writer might add.
+    raw = memoryview(b"\x0a\x01t" b"\x10\x09" b"\x18\x02" b"\x18\x03" b"\x22\x06abcdef"
+                     b"\x30\x06" b"\x7a\x02zz")
+    assert codec.parse_tensor(raw, 0, len(raw))[:3] == ("t", pb.U8, [2, 3])
+    assert codec.decode_tensors([pb.Tensor.FromString(bytes(raw))])["t"].shape == (2, 3)
+
+
+def test_assembled_chunks_are_64_byte_aligned():
+    arr = np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32)
+    out = codec.decode_tensors(codec.encode("x", arr, chunk_bytes=1000))["x"]
+    assert out.ctypes.data % 64 == 0  # XLA:CPU reads such a host array without copying it
+    np.testing.assert_array_equal(out, arr)
+
+
+def test_error_overlapping_chunks():
+    first = pb.Tensor(name="x", dtype=pb.U8, shape=[8], data=b"\1" * 4, offset=0, total_bytes=8)
+    with pytest.raises(CodecError, match=r"tensor 'x': chunks overlap or leave a gap at byte 4"):
+        codec.decode_tensors([first, first])
+
+
+def test_error_negative_dim_on_the_wire():
+    raw = memoryview(pb.Tensor(name="x", dtype=pb.U8, shape=[-2, 3]).SerializeToString())
+    chunk = codec.parse_tensor(raw, 0, len(raw))
+    assert chunk[2] == [-2, 3]
+    with pytest.raises(CodecError, match=r"tensor 'x': negative dimension in shape \(-2, 3\)"):
+        codec.TensorAssembler().add_chunk(chunk)

@@ -9,7 +9,13 @@ import pytest
 
 from jaxdist.artifacts import digest_of, export_stage, load_artifact
 from jaxdist.errors import ArtifactError
-from jaxdist.registry import ArtifactEntry, ArtifactStore, LocalRegistry
+from jaxdist.registry import (
+    ArtifactEntry,
+    ArtifactStore,
+    LocalRegistry,
+    ManifestEntry,
+    find_manifest,
+)
 
 A = b"artifact A " * 100
 B = b"artifact B"
@@ -162,3 +168,53 @@ def test_error_root_is_a_file(tmp_path: Path) -> None:
     root.write_text("x")
     with pytest.raises(ArtifactError, match="exists and is not a directory"):
         LocalRegistry(root)
+
+
+# --- manifests (the layout every registry shares; see also test_urlregistry.py)
+
+M1, M2 = b'{"manifest_version": 1, "n": 1}\n', b'{"manifest_version": 1, "n": 2}\n'
+
+
+def test_manifests_put_find_get_delete(tmp_path: Path) -> None:
+    reg = LocalRegistry(tmp_path)
+    e1 = reg.put_manifest(M1, "my model/v1")
+    assert Path(e1.location) == tmp_path / "manifests" / f"my_model_v1-{digest_of(M1)[7:]}.json"
+    assert reg.put_manifest(M1, "my model/v1") == e1  # idempotent
+    e2 = reg.put_manifest(M2, "my model/v1")
+    os.utime(e1.location, (1, 1))  # e1 older: a name means its newest manifest
+    assert [e.digest for e in reg.list_manifests()] == [e1.digest, e2.digest]
+    assert reg.find_manifest("my_model_v1").digest == e2.digest
+    assert reg.find_manifest(e1.digest[7:13]).digest == e1.digest
+    assert reg.find_manifest(Path(e1.location).name).digest == e1.digest
+    assert reg.get_manifest(e1.digest) == M1
+    reg.delete_manifest(e1.digest)
+    assert [e.digest for e in reg.list_manifests()] == [e2.digest]
+    assert reg.list() == []  # manifests are not artifacts
+
+
+def test_error_corrupt_manifest(tmp_path: Path) -> None:
+    reg = LocalRegistry(tmp_path)
+    e = reg.put_manifest(M1, "m")
+    Path(e.location).write_bytes(M2)
+    with pytest.raises(ArtifactError, match=f"manifest {e.digest} in registry at {tmp_path} is "
+                                            f"corrupt"):
+        reg.get_manifest(e.digest)
+
+
+def test_error_manifest_ref_ambiguous_or_unknown() -> None:
+    entries = [ManifestEntry("m", "sha256:" + h * 64, 1, 0.0, f"/r/manifests/m-{h * 64}.json")
+               for h in ("a", "b")] + [
+        ManifestEntry("n", "sha256:" + "a" * 63 + "c", 1, 0.0, "/r/manifests/n.json")]
+    assert find_manifest(entries, "bbbbbb", "registry r").digest == "sha256:" + "b" * 64
+    with pytest.raises(ArtifactError, match="manifest digest prefix 'aaaaaa' is ambiguous in "
+                                            "registry r"):
+        find_manifest(entries, "aaaaaa", "registry r")
+    with pytest.raises(ArtifactError, match=r"no manifest 'zzz' in registry r; it holds "
+                                            r"manifests of \['m', 'n'\]"):
+        find_manifest(entries, "zzz", "registry r")
+
+
+def test_registry_files_are_world_readable(tmp_path: Path) -> None:
+    reg = LocalRegistry(tmp_path)
+    path = reg.path_of(reg.put(A))
+    assert path.stat().st_mode & 0o777 == 0o644  # a web server may serve it as another user

@@ -283,7 +283,7 @@ def test_killed_worker_mid_stream_names_the_worker(mlp_root):
 
 
 def test_frozen_worker_gives_a_deadline_error(mlp_root):
-    with Cluster.local(2, weights_roots=[str(mlp_root)], heartbeat_timeout=2) as cluster:
+    with Cluster.local(2, weights_roots=[str(mlp_root)], heartbeat_timeout=4) as cluster:
         victim = cluster.local_workers[0]
         with cluster.deploy(mlp(), stages=2) as pipe:
             pipe.call(x=_x())

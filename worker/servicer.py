@@ -8,12 +8,14 @@ stream goes on serving the next frame.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,10 +33,10 @@ from jaxdist.registry import LocalRegistry
 from jaxdist.spec import SPEC_VERSION, StageSpec, validate
 from jaxdist.stage import WorkerStage
 from jaxdist.transport import status
-from jaxdist.transport.frames import FrameAssembler, header_of
+from jaxdist.transport.frames import FrameAssembler, FrameView, header_of
 from jaxdist.weights import WeightCache
 
-from jaxdist.worker.runtime import Hub, PeerPool, StageRuntime, remote_error
+from jaxdist.worker.runtime import HEARTBEAT, Hub, PeerPool, StageRuntime, remote_error
 from jaxdist.worker.sessions import SessionStore
 
 __all__ = ["WorkerConfig", "WorkerServicer"]
@@ -101,6 +103,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._lock = threading.Lock()
         self._draining = threading.Event()
+        # Waits for device results and compiles new shapes, off the data-plane loop.
+        self._egress_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="egress")
 
     # -- control plane ----------------------------------------------------------------------
 
@@ -194,7 +199,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                  devices=self._offered)
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
                                sessions=self.sessions, hub=self.hub, peers=self.peers,
-                               address=self.address)
+                               address=self.address, pool=self._egress_pool)
         with self._lock:
             old = self._stages.pop(key, None)
             self._stages[key] = runtime
@@ -237,16 +242,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.EndSessionReply(freed_stages=freed, freed_bytes=nbytes)
 
     # -- data plane -------------------------------------------------------------------------
+    # Push and Subscribe are coroutines: they run on the data-plane event loop (server.py),
+    # where the stages run and the next hops are written. The control calls above are plain
+    # functions and run in the server's thread pool.
 
-    def Push(self, request_iterator: Iterator[pb.Frame], context: grpc.ServicerContext
-             ) -> pb.PushAck:
-        """Frames into the stages of this worker. Bad frames are reported, not fatal."""
+    async def Push(self, request_iterator: AsyncIterator[FrameView],
+                   context: grpc.aio.ServicerContext) -> pb.PushAck:
+        """Frames into the stages of this worker. Bad frames are reported, not fatal.
+
+        Requests arrive as :class:`FrameView` (see ``jaxdist.transport.wire``)."""
         asm = FrameAssembler(max_bytes=self.config.max_frame_tensor_bytes,
                              max_tensors=self.config.max_tensors_per_frame)
         count = 0
-        for msg in request_iterator:
+        async for msg in request_iterator:
             count += 1
-            header = header_of(msg)
+            header = header_of(msg.msg)
             runtime = self._stages.get((header.pipeline_id, header.stage))
             try:
                 if self._draining.is_set():
@@ -255,42 +265,50 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if runtime is None:
                     raise SessionError(f"unknown stage: pipeline {header.pipeline_id!r} stage "
                                        f"{header.stage} is not loaded on worker {self.address}")
-                done = asm.add(msg)
+                done = asm.add(msg, header)
                 if done is None:
                     continue
                 header, tensors = done
                 shapes = runtime.stage.check_inputs(tensors)
             except Exception as exc:
                 asm.reset()
-                self._report(header, exc)
+                await self._report(header, exc)
                 continue
-            runtime.process(header, tensors, shapes)
+            await runtime.process(header, tensors, shapes)
         return pb.PushAck(frames=count)
 
-    def _report(self, header: Any, exc: BaseException) -> None:
+    async def _report(self, header: Any, exc: BaseException) -> None:
         err = remote_error(exc, stage=header.stage, address=self.address)
         log.info("rejected frame of session %r step %d: %s", header.session_id, header.step, exc)
-        self.hub.publish(header.pipeline_id, header.reply_to,
-                         pb.Event(error=err, request_id=header.request_id,
-                                  session_id=header.session_id))
+        await self.hub.publish(header.pipeline_id, header.reply_to,
+                               pb.Event(error=err, request_id=header.request_id,
+                                        session_id=header.session_id))
 
-    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext
-                  ) -> Iterator[pb.Event]:
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[pb.Event]:
         """Results, errors and heartbeats of one pipeline, until the coordinator hangs up."""
         q = self.hub.open(request.pipeline_id, request.reply_to)
+        beat = asyncio.get_running_loop().create_task(self._heartbeats(q))
         try:
             yield pb.Event(heartbeat=time.monotonic() - self.started)
-            while context.is_active():
-                try:
-                    event = q.get(timeout=HEARTBEAT_S)
-                except Exception:  # queue.Empty: time for a heartbeat
-                    yield pb.Event(heartbeat=time.monotonic() - self.started)
-                    continue
+            while True:
+                event = await q.get()
                 if event is None:
                     return
+                if event is HEARTBEAT:
+                    event = pb.Event(heartbeat=time.monotonic() - self.started)
                 yield event
         finally:
+            beat.cancel()
             self.hub.close(request.pipeline_id, request.reply_to, q)
+
+    @staticmethod
+    async def _heartbeats(q: asyncio.Queue[Any]) -> None:
+        """Queue a heartbeat every HEARTBEAT_S while the subscription has nothing to send."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if q.empty():
+                q.put_nowait(HEARTBEAT)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -310,4 +328,5 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             rt.stop()
         self.hub.shutdown()
         self.peers.close()
+        self._egress_pool.shutdown(wait=False)
         self.cache.close()

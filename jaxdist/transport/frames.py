@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist import codec
+from jaxdist import codec, protowire
 from jaxdist.errors import CodecError
 from jaxdist.proto import jaxdist_pb2 as pb
 
-__all__ = ["FrameAssembler", "FrameHeader", "error_frame", "result_events", "split_frame"]
+__all__ = ["EventView", "FrameAssembler", "FrameHeader", "FrameView", "error_frame", "header_of",
+           "parse_event", "parse_frame", "result_events", "serialize", "split_frame"]
 
 
 @dataclass(frozen=True)
@@ -34,36 +35,114 @@ class FrameHeader:
     kind: int = pb.FRAME_DATA
 
 
-def _fill(frame: pb.Frame, header: FrameHeader, group: list[codec.Chunk], last: bool) -> None:
-    frame.pipeline_id = header.pipeline_id
-    frame.session_id = header.session_id
-    frame.step = header.step
-    frame.stage = header.stage
-    frame.request_id = header.request_id
-    frame.reply_to = header.reply_to
-    frame.kind = header.kind
-    frame.last_chunk = last
-    codec.add_chunks(frame.tensors, group)
+_F = {f.name: f.number for f in pb.Frame.DESCRIPTOR.fields}
+_TENSORS = _F["tensors"]
+_RESULT = pb.Event.DESCRIPTOR.fields_by_name["result"].number
+
+# Below this size a message is parsed by protobuf (faster in C than a scan in Python); above
+# it, by a scan that leaves the tensor data where it arrived (no copies).
+SCAN_MIN_BYTES = 64 << 10
+
+
+def _heads(header: FrameHeader, n: int) -> Iterator[bytes]:
+    """The serialized header fields of each of the ``n`` messages of a frame."""
+    frame = pb.Frame(pipeline_id=header.pipeline_id, session_id=header.session_id,
+                     step=header.step, stage=header.stage, request_id=header.request_id,
+                     reply_to=header.reply_to, kind=header.kind)
+    if n > 1:
+        more = frame.SerializeToString()
+        for _ in range(n - 1):
+            yield more
+    frame.last_chunk = True
+    yield frame.SerializeToString()
 
 
 def split_frame(header: FrameHeader, tensors: Mapping[str, Any], *,
-                chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> Iterator[pb.Frame]:
-    """Encode tensors into the messages of one frame (at least one message), built in place."""
+                chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """Encode tensors into the messages of one frame (at least one), as serialized ``Frame``s.
+
+    Each message is written in one piece: the header, then the tensors in wire format
+    (:func:`codec.tensor_pieces`), so each tensor byte is copied once on the way out.
+    """
     groups = list(codec.group_chunks(tensors, chunk_bytes=chunk_bytes))
-    for i, group in enumerate(groups):
-        frame = pb.Frame()
-        _fill(frame, header, group, i == len(groups) - 1)
-        yield frame
+    for head, group in zip(_heads(header, len(groups)), groups):
+        pieces, _ = codec.tensor_pieces(group, _TENSORS)
+        yield b"".join([head, *pieces])
 
 
 def result_events(header: FrameHeader, tensors: Mapping[str, Any], *,
-                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> Iterator[pb.Event]:
-    """Like :func:`split_frame`, each frame built in place inside a subscription ``Event``."""
+                  chunk_bytes: int = codec.DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """Like :func:`split_frame`, each message wrapped in a subscription ``Event`` (serialized)."""
+    tail = pb.Event(request_id=header.request_id, session_id=header.session_id
+                    ).SerializeToString()
     groups = list(codec.group_chunks(tensors, chunk_bytes=chunk_bytes))
-    for i, group in enumerate(groups):
-        event = pb.Event(request_id=header.request_id, session_id=header.session_id)
-        _fill(event.result, header, group, i == len(groups) - 1)
-        yield event
+    for head, group in zip(_heads(header, len(groups)), groups):
+        pieces, size = codec.tensor_pieces(group, _TENSORS)
+        yield b"".join([protowire.field_prefix(_RESULT, len(head) + size), head, *pieces, tail])
+
+
+class FrameView:
+    """A received ``Frame``: ``msg`` holds its header fields; ``chunks`` its tensors, whose
+    data are views of the received bytes (see :func:`codec.parse_tensor`)."""
+
+    __slots__ = ("chunks", "msg")
+
+    def __init__(self, msg: pb.Frame, chunks: list[codec.Chunk]) -> None:
+        self.msg = msg
+        self.chunks = chunks
+
+
+def _scan_frame(view: memoryview, start: int, end: int) -> FrameView:
+    head: list[memoryview] = []
+    chunks: list[codec.Chunk] = []
+    for fld, wire_type, field_start, value, value_end in protowire.fields(view, start, end):
+        if fld == _TENSORS and wire_type == protowire.LEN:
+            chunks.append(codec.parse_tensor(view, value, value_end))
+        else:
+            head.append(view[field_start:value_end])
+    return FrameView(pb.Frame.FromString(b"".join(head)), chunks)
+
+
+def parse_frame(data: bytes) -> FrameView:
+    """Deserialize a ``Frame`` (the ``Push`` stream's request deserializer)."""
+    if len(data) < SCAN_MIN_BYTES:
+        msg = pb.Frame.FromString(data)
+        return FrameView(msg, [codec.chunk_of(t) for t in msg.tensors])
+    return _scan_frame(memoryview(data), 0, len(data))
+
+
+class EventView:
+    """A received ``Event``: ``msg`` holds all but the result frame, which is ``result``."""
+
+    __slots__ = ("msg", "result")
+
+    def __init__(self, msg: pb.Event, result: FrameView | None) -> None:
+        self.msg = msg
+        self.result = result
+
+
+def parse_event(data: bytes) -> EventView:
+    """Deserialize an ``Event`` (the ``Subscribe`` stream's response deserializer)."""
+    if len(data) < SCAN_MIN_BYTES:
+        msg = pb.Event.FromString(data)
+        if msg.WhichOneof("kind") != "result":
+            return EventView(msg, None)
+        return EventView(msg, FrameView(msg.result, [codec.chunk_of(t)
+                                                     for t in msg.result.tensors]))
+    view = memoryview(data)
+    rest: list[memoryview] = []
+    result = None
+    for fld, wire_type, field_start, value, value_end in protowire.fields(view):
+        if fld == _RESULT and wire_type == protowire.LEN and result is None:
+            result = _scan_frame(view, value, value_end)
+        else:
+            rest.append(view[field_start:value_end])
+    return EventView(pb.Event.FromString(b"".join(rest)), result)
+
+
+def serialize(msg: bytes | pb.Frame | pb.Event) -> bytes:
+    """The serializer of both streams: messages built here are bytes already."""
+    return msg if type(msg) is bytes else msg.SerializeToString()
 
 
 def error_frame(header: FrameHeader, error: pb.RemoteError) -> pb.Frame:
@@ -91,14 +170,22 @@ class FrameAssembler:
     _header: FrameHeader | None = field(default=None, init=False)
     _asm: codec.TensorAssembler | None = field(default=None, init=False)
 
-    def add(self, msg: pb.Frame) -> tuple[FrameHeader, dict[str, np.ndarray]] | None:
+    def add(self, msg: FrameView | pb.Frame, header: FrameHeader | None = None
+            ) -> tuple[FrameHeader, dict[str, np.ndarray]] | None:
         """Add one message; return ``(header, tensors)`` when the frame is complete.
+
+        ``header`` is ``header_of(msg)`` when the caller has read it already.
 
         Raises:
             CodecError: a message of another frame arrived before this one ended, or the tensors
                 are malformed. The assembler is reset, so the stream can go on.
         """
-        header = header_of(msg)
+        if isinstance(msg, FrameView):
+            chunks, msg = msg.chunks, msg.msg
+        else:
+            chunks = [codec.chunk_of(t) for t in msg.tensors]
+        if header is None:
+            header = header_of(msg)
         if self._asm is None:
             self._header = header
             self._asm = codec.TensorAssembler(max_bytes=self.max_bytes, max_tensors=self.max_tensors)
@@ -108,7 +195,8 @@ class FrameAssembler:
                              f"before the previous frame ended (missing last_chunk)")
         asm = self._asm
         try:
-            asm.extend(msg.tensors)
+            for chunk in chunks:
+                asm.add_chunk(chunk)
             if not msg.last_chunk:
                 return None
             tensors = asm.finish()

@@ -1,0 +1,108 @@
+"""What the benchmark scripts share: the record format, machine facts, small statistics.
+
+Every benchmark prints one JSON object per measurement on stdout with at least ``metric``,
+``value``, ``unit``, ``baseline``, ``baseline_value``, ``ratio``, ``target`` and
+``meets_target``, then detail keys; bench/run_all.py reads those records back to write
+RESULTS.md and the plots. Imported by the scripts next to it (``bench/`` is on ``sys.path`` when
+one of them runs as ``python bench/NAME.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def load() -> float:
+    """The 1-minute load average: the machine may be shared with other sessions' jobs."""
+    return round(os.getloadavg()[0], 2)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def versions() -> dict[str, str]:
+    """Versions of the software the numbers depend on (only packages that import)."""
+    out = {"python": sys.version.split()[0]}
+    for name, module in (("jax", "jax"), ("jaxlib", "jaxlib"), ("grpcio", "grpc"),
+                         ("numpy", "numpy")):
+        try:
+            out[name] = __import__(module).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """Facts about this machine and run, merged into every record."""
+    return {"nproc": os.cpu_count(), "cpu": cpu_model(), **versions(),
+            "date": time.strftime("%Y-%m-%d"),
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+            "loadavg_1m_at_start": load()}
+
+
+def record(metric: str, value: float | None, unit: str, baseline: str,
+           baseline_value: float | None, ratio: float | None, target: str,
+           meets: bool | None, **detail: Any) -> dict[str, Any]:
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(float(x), 4 if abs(x) >= 1e-3 else 8)
+
+    return {"metric": metric, "value": r(value), "unit": unit, "baseline": baseline,
+            "baseline_value": r(baseline_value), "ratio": r(ratio), "target": target,
+            "meets_target": meets, **detail, "loadavg_1m": load()}
+
+
+def emit(rec: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    records.append(rec)
+    print(json.dumps(rec), flush=True)
+
+
+def note(name: str) -> Callable[[str], None]:
+    """A progress printer for stderr (stdout carries only JSON records)."""
+    def _note(msg: str) -> None:
+        print(f"[{name} bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    return _note
+
+
+def cli(doc: str, run: Callable[[argparse.Namespace], list[dict[str, Any]]],
+        add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+        argv: list[str] | None = None) -> int:
+    """The shared command line: ``--quick``, ``--out FILE``, plus the script's own options."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer iterations (CI smoke)")
+    p.add_argument("--out", metavar="FILE", help="also write the list of records to FILE (JSON)")
+    if add_args is not None:
+        add_args(p)
+    opts = p.parse_args(argv)
+    t0 = time.perf_counter()
+    records = run(opts)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print(f"[bench] {os.path.basename(sys.argv[0])} done in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr, flush=True)
+    return 0

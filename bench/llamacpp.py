@@ -1,0 +1,556 @@
+"""The peer: llama.cpp on the same SmolLM2 GGUF, in one process and across 2 RPC servers.
+
+llama.cpp is built from source, from the ``llama-cpp-python`` sdist on PyPI, into a venv of its
+own (``bench/.venv-llamacpp``, gitignored, kept between runs; the first build takes about 8 to 12
+minutes on 2 cores and is not part of the measurement):
+
+1. ``pip download --no-binary :all: llama-cpp-python==VERSION`` and unpack it under the venv;
+2. ``CMAKE_ARGS=-DGGML_RPC=ON pip install <unpacked sdist> -C build-dir=<venv>/build``: the
+   Python bindings, with ggml's RPC backend compiled into the shared libraries;
+3. ``ggml-rpc-server`` (the vendored llama.cpp's ``tools/rpc``; older releases called it
+   ``rpc-server`` and kept it under ``examples/``), built from the same unpacked source. First
+   the bindings' own build tree is reconfigured with ``-DLLAMA_BUILD_TOOLS=ON`` and only that
+   target is built, so it would link the very ``libggml`` the bindings load. In 0.3.36 that
+   configure fails: llama-cpp-python's CMakeLists adds ``vendor/llama.cpp/tools/mtmd`` itself
+   (``LLAVA_BUILD``, on by default) and llama.cpp's ``tools/`` adds it again ("The binary
+   directory .../tools/mtmd is already used to build a source directory"). So the fallback
+   configures the vendored ``llama.cpp`` directory on its own (``<venv>/build-rpc``,
+   ``-DGGML_RPC=ON``, tests/examples/server off) and builds only ``ggml-rpc-server``: ggml is
+   compiled a second time from the same sources with the same ``GGML_NATIVE`` flags (about a
+   minute), so client and server speak the same RPC protocol version.
+
+If no RPC server can be built, the reason (the first CMake or compiler error) is kept in
+``<venv>/build-status.json`` and reported in the records; the rest still runs. A build that an
+older recipe could not finish is retried once the recipe changes (``RPC_RECIPE``).
+
+The measurement runs in the llama.cpp venv (a child process): ``Llama(model_path=<SmolLM2
+Q4_1 GGUF>, n_threads=2, n_ctx=256)``, greedy (``top_k=1``), the prompt token ids that
+jaxdist's tokenizer gives for bench/decode.py's prompt, EOS ignored, 64 new tokens. As in
+bench/decode.py: time to first token is submission to the first sampled token (prefill plus one
+sample), and decode tokens/s counts the steps after the first token over the time from the first
+token to the last. Each run starts from an empty KV cache (no prompt-prefix reuse).
+
+* **local**: one process, ``n_threads=2``, weights as stored (Q4_1 and Q8_0, about 97 MB of
+  tensors, read once per token).
+* **local_1t**: the same with ``n_threads=1``, for reference: ggml's threads meet at a barrier
+  after every op and spin while they wait, so on a shared 2-core machine 2 threads can be slower
+  than 1.
+* **rpc2**: two ``ggml-rpc-server`` processes on 127.0.0.1, each ``-t 1`` (the server's
+  default on 2 cores; with ``-t 2`` each, six spinning threads share two cores and decode fell
+  to 5 to 16 tokens/s), the layers split across them by their free memory (``n_gpu_layers=-1``,
+  ``LLAMA_SPLIT_MODE_LAYER``: 15 blocks each, the output matrix on the second; the token
+  embedding stays in the client). The client registers them as ``llama-cli --rpc`` does; see
+  :func:`_use_rpc_servers`.
+
+Records compare jaxdist with llama.cpp: with ``--decode-json FILE`` (bench/decode.py's ``--out``
+of the same run, as bench/run_all.py passes it) the ratio records put jaxdist's single-process
+and 2-worker numbers against llama.cpp local and rpc2. Without it only llama.cpp's own numbers
+are reported.
+
+Usage::
+
+    python bench/llamacpp.py [--quick] [--out FILE] [--decode-json FILE] [--setup-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+VERSION = "0.3.36"
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_VENV = HERE / ".venv-llamacpp"
+PROMPT = "The capital of France is"   # bench/decode.py's prompt
+RPC_THREADS = 1  # ggml-rpc-server's own default on 2 cores (hardware threads / 2)
+RPC_RECIPE = 2   # bump when _build_rpc_server changes, so a failed RPC build is tried again
+
+
+def _note(msg: str) -> None:
+    print(f"[llamacpp bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building llama.cpp (in the jaxdist venv's process; everything heavy is a subprocess)
+
+
+def _run_logged(cmd: Sequence[str], log: pathlib.Path, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess[str]:
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        f.flush()
+        return subprocess.run(list(map(str, cmd)), check=False, stdout=f, stderr=subprocess.STDOUT, text=True,
+                              env=env, stdin=subprocess.DEVNULL)
+
+
+def _tail(log: pathlib.Path, n: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _step(cmd: Sequence[Any], log: pathlib.Path) -> str | None:
+    """Run one build command; None if it worked, else its first error (from its own output)."""
+    start = log.stat().st_size if log.exists() else 0
+    if _run_logged(cmd, log).returncode == 0:
+        return None
+    with open(log, errors="replace") as f:
+        f.seek(start)
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if "CMake Error" in line or ": error:" in line or "FAILED:" in line:
+            return " ".join(x.strip() for x in lines[i:i + 8] if x.strip())
+    return " ".join(x.strip() for x in lines[-8:] if x.strip())
+
+
+def _venv_python(venv: pathlib.Path) -> pathlib.Path:
+    return venv / "bin" / "python"
+
+
+def ensure_llamacpp(venv: pathlib.Path = DEFAULT_VENV) -> dict[str, Any]:
+    """Build (once) llama-cpp-python and ggml-rpc-server into ``venv``; return the build status.
+
+    The status is cached in ``<venv>/build-status.json``; a venv whose bindings import and whose
+    status names this VERSION is reused as it is.
+    """
+    status_file = venv / "build-status.json"
+    if status_file.exists():
+        status = json.loads(status_file.read_text())
+        ok = subprocess.run([_venv_python(venv), "-c", "import llama_cpp"], check=False,
+                            capture_output=True).returncode == 0
+        if ok and status.get("version") == VERSION:
+            if not status["rpc_server"].get("built") and status.get("rpc_recipe") != RPC_RECIPE:
+                # An RPC server that an older recipe could not build: try the current one.
+                log = venv / "build.log"
+                _note("building ggml-rpc-server (the bindings are built already)")
+                t1 = time.perf_counter()
+                status["rpc_server"] = _build_rpc_server(
+                    venv / "src" / f"llama_cpp_python-{VERSION}", venv / "build", log)
+                status["rpc_server"]["build_s"] = round(time.perf_counter() - t1, 1)
+                status["rpc_recipe"] = RPC_RECIPE
+                status_file.write_text(json.dumps(status, indent=1))
+            return status
+    venv.mkdir(parents=True, exist_ok=True)
+    log = venv / "build.log"
+    log.write_text("")
+    _note(f"building llama-cpp-python {VERSION} into {venv} (log: {log}); "
+          "about 8 to 12 minutes on 2 cores")
+    t0 = time.perf_counter()
+    if (not _venv_python(venv).exists()
+            and _run_logged([sys.executable, "-m", "venv", venv], log).returncode):
+        raise RuntimeError(f"could not create the venv {venv}:\n{_tail(log)}")
+    src = venv / "src"
+    sdist = src / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.exists():
+        src.mkdir(exist_ok=True)
+        r = _run_logged([_venv_python(venv), "-m", "pip", "download", "--no-deps",
+                         "--no-binary", ":all:", f"llama-cpp-python=={VERSION}", "-d", src], log)
+        if r.returncode or not sdist.exists():
+            raise RuntimeError(f"pip download llama-cpp-python=={VERSION} failed:\n{_tail(log)}")
+    tree = src / f"llama_cpp_python-{VERSION}"
+    if not tree.exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(src, filter="data")
+    build = venv / "build"
+    env = dict(os.environ, CMAKE_ARGS="-DGGML_RPC=ON",
+               CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    r = _run_logged([_venv_python(venv), "-m", "pip", "install", "--no-cache-dir",
+                     "-C", f"build-dir={build}", tree], log, env=env)
+    if r.returncode:
+        raise RuntimeError(f"building llama-cpp-python {VERSION} failed:\n{_tail(log)}")
+    bindings_s = time.perf_counter() - t0
+    _note(f"llama-cpp-python built in {bindings_s:.0f}s; now the RPC server")
+    t1 = time.perf_counter()
+    rpc = _build_rpc_server(tree, build, log)
+    rpc["build_s"] = round(time.perf_counter() - t1, 1)
+    status = {"version": VERSION, "rpc_recipe": RPC_RECIPE, "venv": str(venv),
+              "bindings_build_s": round(bindings_s, 1),
+              "cmake_args": env["CMAKE_ARGS"], "rpc_server": rpc,
+              "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    status_file.write_text(json.dumps(status, indent=1))
+    _note(f"build done in {time.perf_counter() - t0:.0f}s; rpc server: "
+          f"{'built' if rpc['built'] else 'NOT built: ' + str(rpc['reason'])[:200]}")
+    return status
+
+
+def _find_binary(build: pathlib.Path, name: str) -> str | None:
+    found = [p for p in sorted(build.rglob(name)) if p.is_file() and os.access(p, os.X_OK)]
+    return str(found[0]) if found else None
+
+
+def _build_rpc_server(tree: pathlib.Path, build: pathlib.Path, log: pathlib.Path
+                      ) -> dict[str, Any]:
+    """Build ``ggml-rpc-server`` from the sdist's vendored llama.cpp.
+
+    First in the bindings' own build tree (tools switched on, only the one target built, so
+    it links the very libggml the bindings load). If that tree cannot take the tools (a
+    llama-cpp-python whose CMakeLists adds ``tools/mtmd`` itself when ``LLAVA_BUILD`` is on),
+    then in a standalone build of the same vendored source (``<venv>/build-rpc``), which
+    compiles ggml once more (same sources, same ``GGML_NATIVE`` flags, same RPC protocol).
+    """
+    reasons = []
+    if (build / "CMakeCache.txt").exists():
+        if err := _step(["cmake", "-DLLAMA_BUILD_TOOLS=ON", build], log):
+            reasons.append("reconfiguring the bindings' build tree with -DLLAMA_BUILD_TOOLS=ON "
+                           f"failed: {err}")
+        elif err := _step(["cmake", "--build", build, "--target", "ggml-rpc-server"], log):
+            reasons.append(f"building ggml-rpc-server in the bindings' tree failed: {err}")
+        elif binary := _find_binary(build, "ggml-rpc-server"):
+            return {"built": True, "binary": binary, "how": "bindings' build tree"}
+        else:
+            reasons.append(f"no ggml-rpc-server binary under {build} after the build")
+    else:
+        reasons.append(f"the bindings' build tree {build} was not kept")
+    src = tree / "vendor" / "llama.cpp"
+    alone = build.parent / "build-rpc"
+    cfg = ["cmake", "-S", src, "-B", alone, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+           "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+           "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+    if err := _step(cfg, log):
+        return {"built": False, "reason": "; ".join(
+            reasons + [f"standalone configure of {src} failed: {err}"])}
+    if err := _step(["cmake", "--build", alone, "--target", "ggml-rpc-server"], log):
+        return {"built": False, "reason": "; ".join(
+            reasons + [f"standalone build of ggml-rpc-server failed: {err}"])}
+    binary = _find_binary(alone, "ggml-rpc-server")
+    if binary is None:
+        return {"built": False, "reason": "; ".join(reasons + [f"no binary under {alone}"])}
+    return {"built": True, "binary": binary, "how": "standalone build of the vendored source",
+            "bindings_tree_failed": "; ".join(reasons)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurement child (runs under the llama.cpp venv's Python: stdlib and llama_cpp only)
+
+
+def _use_rpc_servers(endpoints: Sequence[str]) -> Any:
+    """Register RPC servers as ggml devices and make every model load use exactly those.
+
+    Registration is what ``llama-cli --rpc`` does (common/arg.cpp: ``ggml_backend_rpc_add_server``
+    then ``ggml_backend_register``). After it, ``ggml_backend_dev_count()`` lists the servers
+    as GPU-type devices ``RPC0``/``RPC1``, yet with llama-cpp-python's NULL
+    ``llama_model_params.devices`` (default device selection) the 0.3.36 loader logged
+    "offloaded 31/31 layers to GPU" and still assigned every layer to the CPU, with no
+    "using device" line. So the devices are passed explicitly, NULL-terminated, in
+    ``llama_model_params.devices``; the loader then logs "using device RPC0 (127.0.0.1:...)"
+    and splits the layers between the servers. Returns the ctypes array, which must stay alive
+    while models load.
+    """
+    import ctypes
+
+    import llama_cpp
+    import llama_cpp.llama_cpp as capi
+
+    libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
+    ggml = ctypes.CDLL(str(libdir / "libggml.so"))
+    rpc = ctypes.CDLL(str(libdir / "libggml-rpc.so"))
+    rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+    rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+    ggml.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    devices = []
+    for e in endpoints:
+        reg = rpc.ggml_backend_rpc_add_server(e.encode())
+        if not reg:
+            raise RuntimeError(f"ggml_backend_rpc_add_server({e!r}) failed")
+        ggml.ggml_backend_register(reg)
+        devices += [ggml.ggml_backend_reg_dev_get(reg, i)
+                    for i in range(ggml.ggml_backend_reg_dev_count(reg))]
+    array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+    default_params = capi.llama_model_default_params
+
+    def with_devices() -> Any:
+        params = default_params()
+        params.devices = ctypes.cast(array, ctypes.c_void_p)
+        return params
+
+    capi.llama_model_default_params = with_devices  # what llama_cpp.Llama calls
+    return array
+
+
+def _child_main() -> int:
+    """Load the model once, then answer one JSON command per stdin line with one JSON line."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    cfg = json.loads(sys.stdin.readline())
+    keep = _use_rpc_servers(cfg["rpc"]) if cfg.get("rpc") else None
+    kwargs: dict[str, Any] = {"n_threads": cfg["n_threads"], "n_ctx": cfg["n_ctx"],
+                              "n_batch": 64, "seed": 0, "verbose": bool(cfg.get("verbose"))}
+    if cfg.get("rpc"):
+        kwargs.update(n_gpu_layers=-1, split_mode=llama_cpp.LLAMA_SPLIT_MODE_LAYER)
+    t0 = time.perf_counter()
+    llm = Llama(model_path=cfg["model"], **kwargs)
+    del keep  # the model holds its devices now
+    print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0,
+                      "llama_cpp_python": llama_cpp.__version__,
+                      "supports_rpc": bool(llama_cpp.llama_supports_rpc())}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        n = int(cmd["new_tokens"])
+        llm.reset()  # n_tokens = 0: the whole prompt is evaluated again, no prefix reuse
+        stamps: list[float] = []
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        for tok in llm.generate(cfg["prompt_ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                repeat_penalty=1.0, reset=True):
+            stamps.append(time.perf_counter())
+            tokens.append(int(tok))
+            if len(tokens) >= n:
+                break
+        decode_s = stamps[-1] - stamps[0]
+        print(json.dumps({"ttft_s": stamps[0] - t0,
+                          "tokens_per_s": (n - 1) / decode_s if decode_s > 0 else 0.0,
+                          "steps_s": [b - a for a, b in itertools.pairwise(stamps)],
+                          "tokens": tokens,
+                          "text": llm.detokenize(tokens).decode("utf-8", "replace")}),
+              flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration (in the jaxdist venv)
+
+
+class Child:
+    """One llama.cpp process with the model loaded, driven over stdin/stdout."""
+
+    def __init__(self, venv: pathlib.Path, cfg: dict[str, Any], log: pathlib.Path) -> None:
+        self._log = open(log, "a")
+        self.proc = subprocess.Popen([str(_venv_python(venv)), os.path.abspath(__file__),
+                                      "_child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True)
+        self.ready = self._ask(cfg)
+
+    def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp child (pid {self.proc.pid}) exited with "
+                               f"{self.proc.wait()}; see {self._log.name}")
+        return json.loads(line)
+
+    def generate(self, new_tokens: int) -> dict[str, Any]:
+        return self._ask({"new_tokens": new_tokens})
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rpc_servers(binary: str, n: int, log: pathlib.Path
+                      ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    endpoints = []
+    f = open(log, "a")
+    try:
+        for _ in range(n):
+            port = _free_port()
+            procs.append(subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port),
+                                           "-t", str(RPC_THREADS)], stdout=f, stderr=f,
+                                          stdin=subprocess.DEVNULL))
+            endpoints.append(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        for p, e in zip(procs, endpoints):
+            host, _, port = e.rpartition(":")
+            while True:
+                if p.poll() is not None:
+                    raise RuntimeError(f"ggml-rpc-server on {e} exited with {p.returncode}; "
+                                       f"see {log}")
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"ggml-rpc-server on {e} did not listen in 30 s")
+                    time.sleep(0.1)
+    except BaseException:
+        stop_rpc_servers(procs)
+        raise
+    finally:
+        f.close()
+    return procs, endpoints
+
+
+def stop_rpc_servers(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _decode_numbers(path: str | None) -> dict[str, dict[str, Any]]:
+    """bench/decode.py's records of the same run, by metric."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {r["metric"]: r for r in json.load(f)}
+
+
+def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    import _common as c
+
+    from jaxdist.cli.generate import default_model
+    from jaxdist.exporting import load_model
+
+    machine = c.machine()
+    status = ensure_llamacpp(opts.venv)
+    new_tokens, runs = (32, 3) if opts.quick else (64, 7)
+    path = default_model()
+    loaded = load_model(path.name, roots=[str(path.parent)], max_seq=256)
+    ids = loaded.tokenizer.encode(PROMPT)
+    cfg = {"model": str(path), "prompt_ids": ids, "n_threads": 2, "n_ctx": 256}
+    log = opts.venv / "run.log"
+    log.write_text("")
+    rpc_info = dict(status["rpc_server"])
+    children: dict[str, Child] = {}
+    servers: list[subprocess.Popen[bytes]] = []
+    results: dict[str, list[dict[str, Any]]] = {}
+    try:
+        children["local"] = Child(opts.venv, cfg, log)
+        children["local_1t"] = Child(opts.venv, dict(cfg, n_threads=1), log)
+        if rpc_info.get("built"):
+            try:
+                servers, endpoints = start_rpc_servers(rpc_info["binary"], 2, log)
+                children["rpc2"] = Child(opts.venv, dict(cfg, rpc=endpoints), log)
+                rpc_info["endpoints"] = endpoints
+            except RuntimeError as exc:
+                rpc_info.update(built=True, reason=f"could not run: {exc}")
+        for name, child in children.items():
+            _note(f"{name}: model loaded in {child.ready['load_s']:.1f}s; warm-up")
+            child.generate(4)
+            results[name] = []
+        for r in range(runs):
+            for name in list(children) if r % 2 == 0 else list(children)[::-1]:
+                results[name].append(children[name].generate(new_tokens))
+            _note(f"round {r + 1}/{runs}: " + ", ".join(
+                f"{k} {v[-1]['tokens_per_s']:.1f} tok/s" for k, v in results.items()))
+    finally:
+        for child in children.values():
+            child.close()
+        stop_rpc_servers(servers)
+
+    dec = _decode_numbers(opts.decode_json)
+    jaxdist_text = next((r.get("text_single_start") for r in dec.values()
+                         if r.get("text_single_start")), None)
+    records: list[dict[str, Any]] = []
+    common = {"model": path.name, "prompt": PROMPT, "prompt_tokens": len(ids),
+              "new_tokens": new_tokens, "greedy": True,
+              "llama_cpp_python": children["local"].ready["llama_cpp_python"],
+              "weights": "as stored (Q4_1/Q8_0); jaxdist binds float32", **machine}
+    llama: dict[str, dict[str, float]] = {}
+    for name, rs in results.items():
+        tps = c.median([x["tokens_per_s"] for x in rs])
+        ttft = c.median([x["ttft_s"] for x in rs])
+        llama[name] = {"tps": tps, "ttft": ttft}
+        steps = [s for x in rs for s in x["steps_s"]]
+        text = rs[0]["text"]
+        detail = {"config": name, "n_threads": 1 if name == "local_1t" else 2, "runs": len(rs),
+                  "tokens_per_s_runs": [round(x["tokens_per_s"], 2) for x in rs],
+                  "ttft_s_runs": [round(x["ttft_s"], 4) for x in rs],
+                  "median_step_ms": round(c.median(steps) * 1e3, 3),
+                  "same_tokens_every_run": all(x["tokens"] == rs[0]["tokens"] for x in rs),
+                  "text_start": text[:60],
+                  # Greedy text diverges once the two numerics pick different argmaxes:
+                  # llama.cpp multiplies Q4_1 blocks with Q8_1-quantized activations, jaxdist
+                  # dequantized float32.
+                  "jaxdist_text_start": jaxdist_text,
+                  "common_prefix_with_jaxdist": (None if jaxdist_text is None else
+                                                 os.path.commonprefix([text, jaxdist_text]))}
+        if name == "rpc2":
+            detail.update(rpc_servers=2, rpc_threads=RPC_THREADS,
+                          endpoints=rpc_info.get("endpoints"), split="layer",
+                          rpc_server_build={k: v for k, v in rpc_info.items()
+                                            if k != "endpoints"})
+        c.emit(c.record(f"llamacpp_decode_tokens_per_s_{name}", tps, "tokens/s",
+                        "none (llama.cpp's own number)", None, None, "reported", None,
+                        **detail, **common), records)
+        c.emit(c.record(f"llamacpp_ttft_s_{name}", ttft, "s", "none (llama.cpp's own number)",
+                        None, None, "reported", None, config=name, runs=len(rs),
+                        n_threads=detail["n_threads"], **machine),
+               records)
+    if "rpc2" not in results:
+        c.emit(c.record("llamacpp_decode_tokens_per_s_rpc2", None, "tokens/s",
+                        "llama.cpp over 2 ggml-rpc-server processes", None, None,
+                        "not measured", None, rpc_server=rpc_info, **machine), records)
+    # local (n_threads=2) is the headline peer; local_1t is there too because on a loaded
+    # 2-core machine ggml's spinning thread pair can collapse while 1 thread does not.
+    pairs = [("single", "local", "llama.cpp, 1 process, 2 threads"),
+             ("single", "local_1t", "llama.cpp, 1 process, 1 thread"),
+             ("2w", "rpc2", "llama.cpp over 2 RPC servers")]
+    for jname, lname, what in pairs:
+        for kind, jkey, lkey, unit in (("decode", f"decode_tokens_per_s_{jname}", "tps",
+                                        "tokens/s"),
+                                       ("ttft", f"ttft_s_{jname}", "ttft", "s")):
+            jrec = dec.get(jkey)
+            lval = llama.get(lname, {}).get(lkey)
+            if jrec is None or lval is None:
+                continue
+            suffix = "_1t" if lname == "local_1t" else ""
+            c.emit(c.record(f"jaxdist_vs_llamacpp_{kind}_{jname}{suffix}", jrec["value"], unit,
+                            what, lval, jrec["value"] / lval,
+                            "reported", None, jaxdist_metric=jkey, llamacpp_config=lname,
+                            note="higher ratio is better for jaxdist" if kind == "decode"
+                            else "lower ratio is better for jaxdist",
+                            jaxdist_loadavg_1m_during=jrec.get("loadavg_1m_during"),
+                            **machine), records)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    import _common as c
+
+    def args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--setup-only", action="store_true", help="build the venv and stop")
+        p.add_argument("--venv", type=pathlib.Path, default=DEFAULT_VENV,
+                       help="the llama.cpp venv (built on first use)")
+        p.add_argument("--decode-json", metavar="FILE",
+                       help="bench/decode.py --out of the same run, for the ratio records")
+
+    if argv is None and "--setup-only" in sys.argv[1:]:
+        p = argparse.ArgumentParser()
+        args(p)
+        opts, _ = p.parse_known_args()
+        print(json.dumps(ensure_llamacpp(opts.venv)))
+        return 0
+    return c.cli(__doc__, run, args, argv)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_child"]:
+        sys.exit(_child_main())
+    sys.exit(main())

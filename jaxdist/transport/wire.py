@@ -1,0 +1,72 @@
+"""The worker service with jaxdist's own (de)serializers on its two data-plane streams.
+
+``Push`` requests and ``Subscribe`` events carry activations, so they skip protobuf's message
+objects: they are written by :func:`frames.split_frame` / :func:`frames.result_events` straight
+from the arrays, and read by :func:`frames.parse_frame` / :func:`frames.parse_event` into views
+of the received bytes. Each protobuf object on the way would cost a full copy of the tensor data
+(building it, serializing it, and every read of a ``bytes`` field). The bytes on the wire are
+the same ``Frame`` and ``Event`` messages protobuf writes: any gRPC client of ``jaxdist.v1``
+still talks to a worker.
+
+The method table comes from the service descriptor (the ``.proto``), never from hand-written
+paths; the generated ``*_pb2_grpc.py`` is used for everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.transport import frames
+
+__all__ = ["PUSH", "SUBSCRIBE", "add_worker_servicer", "push_method", "subscribe_method"]
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"]
+PUSH = _SERVICE.methods_by_name["Push"]
+SUBSCRIBE = _SERVICE.methods_by_name["Subscribe"]
+
+
+def _path(method: Any) -> str:
+    return f"/{_SERVICE.full_name}/{method.name}"
+
+
+def push_method(channel: grpc.Channel | grpc.aio.Channel) -> Any:
+    """``Push`` on a channel (sync or aio): send serialized frames (or ``pb.Frame``)."""
+    return channel.stream_unary(_path(PUSH), request_serializer=frames.serialize,
+                                response_deserializer=pb.PushAck.FromString)
+
+
+def subscribe_method(channel: grpc.Channel | grpc.aio.Channel) -> Any:
+    """``Subscribe`` on a channel: events arrive as :class:`frames.EventView`."""
+    return channel.unary_stream(_path(SUBSCRIBE),
+                                request_serializer=pb.SubscribeRequest.SerializeToString,
+                                response_deserializer=frames.parse_event)
+
+
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_worker_servicer(servicer: Any, server: grpc.Server | grpc.aio.Server) -> None:
+    """Serve every method of the worker service from ``servicer`` (one method per RPC, by the
+    RPC's name), the data-plane streams with the (de)serializers of :mod:`frames`."""
+    handlers = {}
+    for method in _SERVICE.methods:
+        request = getattr(pb, method.input_type.name)
+        response = getattr(pb, method.output_type.name)
+        kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(getattr(servicer, method.name),
+                                     request_deserializer=request.FromString,
+                                     response_serializer=response.SerializeToString)
+    handlers[PUSH.name] = handlers[PUSH.name]._replace(request_deserializer=frames.parse_frame)
+    handlers[SUBSCRIBE.name] = handlers[SUBSCRIBE.name]._replace(
+        response_serializer=frames.serialize)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(_SERVICE.full_name, handlers)

@@ -1,0 +1,45 @@
+"""``jaxdist status`` against real workers: the table and ``--json`` show uptime and, for every
+loaded stage, its pipeline, model and artifact digest."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from jaxdist.coordinator import Cluster
+from jaxdist.publishing import publish
+
+from deploy_utils import cli
+from models import mlp
+
+
+def test_status_table_and_json(cluster3: Cluster, tmp_path: pathlib.Path) -> None:
+    pub = publish(mlp(name="status-mlp"), tmp_path, stages=2, platforms=("cpu",),
+                  model_path="mlp.safetensors")
+    workers = ",".join(cluster3.addresses[:2])
+    with cluster3.deploy_manifest(pub.manifest, registry=pub.registry,
+                                  workers=cluster3.addresses[:2]) as pipe:
+        table = cli("status", "--workers", workers)
+        as_json = cli("status", "--workers", workers, "--json")
+    assert table.returncode == 0 and as_json.returncode == 0, table.stderr + as_json.stderr
+    replies = json.loads(as_json.stdout)
+    assert [r["address"] for r in replies] == cluster3.addresses[:2]
+    for k, reply in enumerate(replies):
+        assert reply["uptime_s"] > 0 and reply["default_device"] == "cpu:0"
+        (stage,) = [s for s in reply["stages"] if s["pipeline_id"] == pipe.pipeline_id]
+        assert stage["artifact_digest"] == pub.manifest.digests[k]
+        assert stage["model"] == "status-mlp" and stage.get("stage_index", 0) == k
+        assert int(stage["weight_bytes"]) == 2 * 32 * 32 * 4
+        assert pub.manifest.digests[k] in reply["artifacts"]
+    blocks: dict[str, list[str]] = {}  # worker address -> its lines
+    for line in table.stdout.splitlines():
+        if not line.startswith(" "):
+            current = blocks.setdefault(line.split()[0], [line])
+        else:
+            current.append(line)
+    assert list(blocks) == cluster3.addresses[:2]
+    for k, lines in enumerate(blocks.values()):
+        assert "uptime=" in lines[0] and "device=cpu:0" in lines[0]
+        (row,) = [line for line in lines if pipe.pipeline_id in line]
+        assert row.split()[1] == str(k) and "status-mlp" in row
+        assert pub.manifest.digests[k][:19] in row

@@ -1,0 +1,175 @@
+"""Backward compatibility: artifacts and a manifest written by an earlier jaxdist/jax are kept in
+``tests/testdata/golden`` (made by ``python tests/testdata/make_golden.py``) and must still load
+and run, in-process and on real workers, with outputs equal to numpy's. This is what jax does for
+its own export format (``jax/_src/internal_test_util/export_back_compat_test_data``).
+
+Artifacts outside the window the local jax reads are refused, naming the versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import struct
+from typing import Any
+
+import jax
+import jaxlib
+import numpy as np
+import pytest
+from jax import export as jexport
+from jax._src.export import serialization_generated as ser_flatbuf
+from jax._src.lib.mlir.dialects import hlo
+
+from jaxdist.coordinator import Cluster
+from jaxdist.errors import ArtifactError
+from jaxdist.manifest import Manifest, open_manifest
+from jaxdist.registry import LocalRegistry
+from jaxdist.stage import WorkerStage
+from jaxdist.vetting import digest_of, load_artifact
+from jaxdist.weights import WeightCache
+
+TESTDATA = pathlib.Path(__file__).parent / "testdata"
+GOLDEN = TESTDATA / "golden"
+
+
+def _make_golden() -> Any:
+    spec = importlib.util.spec_from_file_location("make_golden", TESTDATA / "make_golden.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+golden = _make_golden()
+
+
+@pytest.fixture(scope="module")
+def manifest() -> Manifest:
+    (path,) = (GOLDEN / "manifests").glob("*.json")
+    m, digest, store = open_manifest(str(path))
+    assert digest == f"sha256:{path.stem.rsplit('-', 1)[1]}"
+    assert pathlib.Path(store.location) == GOLDEN
+    return m
+
+
+def _inputs(n: int = 2) -> list[np.ndarray]:
+    rng = np.random.default_rng(5)
+    return [rng.standard_normal((2, golden.D)).astype(np.float32) for _ in range(n)]
+
+
+def _assert_matches(outs: list[dict[str, np.ndarray]]) -> None:
+    for got, want in zip(outs, golden.reference(_inputs(len(outs))), strict=True):
+        for name in ("x", "total"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
+
+
+def test_golden_manifest_reads(manifest: Manifest) -> None:
+    assert manifest.manifest_version == 1
+    assert [list(s.units) for s in manifest.stages] == [["l0"], ["l1", "acc"]]
+    assert manifest.weight_uris[0] == "safetensors://{model}#l0.w"
+    reg = LocalRegistry(GOLDEN, create=False)
+    for stage in manifest.stages:
+        assert digest_of(reg.get(stage.digest)) == stage.digest  # bytes intact
+        assert reg.meta(stage.digest)["jax_version"] == manifest.versions["jax"]
+
+
+def test_golden_runs_in_process(manifest: Manifest, tmp_path: pathlib.Path) -> None:
+    golden.write_weights(tmp_path)
+    reg = LocalRegistry(GOLDEN, create=False)
+    cache = WeightCache([str(tmp_path)])
+    stages = [WorkerStage.load(spec.replace(device="cpu", stage_id=f"golden/{k}"),
+                               artifact=reg.get(spec.artifact_digest), cache=cache)
+              for k, spec in enumerate(manifest.stage_specs())]
+    states = [s.init_state() for s in stages]
+    outs = []
+    for x in _inputs():
+        carry: Any = {"x": x}
+        for k, stage in enumerate(stages):
+            carry, states[k] = stage.run(carry, states[k])
+        outs.append({k: np.asarray(v) for k, v in carry.items()})
+    cache.close()
+    _assert_matches(outs)
+
+
+def test_golden_runs_on_workers(manifest: Manifest, cluster3: Cluster,
+                                mlp_root: pathlib.Path) -> None:
+    golden.write_weights(mlp_root)  # the shared workers' weights root
+    with cluster3.deploy_manifest(manifest, registry=str(GOLDEN)) as pipe:
+        with pipe.session() as session:
+            outs = [session(x=x) for x in _inputs()]
+    _assert_matches(outs)
+
+
+# --- the compatibility window
+
+
+def _patched(data: bytes, *, calling_convention: int | None = None,
+             stablehlo: str | None = None) -> bytes:
+    """The artifact with a version field rewritten in place (what a far older or newer jax
+    would have written there)."""
+    buf = bytearray(data)
+    if calling_convention is not None:
+        table = ser_flatbuf.Exported.GetRootAs(buf, 0)._tab
+        field = table.Offset(32)  # Exported.calling_convention_version
+        assert field, "jax wrote no calling_convention_version field"
+        struct.pack_into("<H", buf, table.Pos + field, calling_convention)
+    if stablehlo is not None:
+        old = f"StableHLO_v{_golden_stablehlo()}".encode()
+        new = f"StableHLO_v{stablehlo}".encode()
+        assert len(old) == len(new) and buf.count(old) == 1
+        buf = bytearray(bytes(buf).replace(old, new))
+    return bytes(buf)
+
+
+def _golden_stablehlo() -> str:
+    (path,) = (GOLDEN / "manifests").glob("*.json")
+    return Manifest.from_json(path.read_bytes()).versions["stablehlo"]
+
+
+def _artifact(manifest: Manifest) -> bytes:
+    return LocalRegistry(GOLDEN, create=False).get(manifest.digests[0])
+
+
+LOCAL = f"local jax {jax.__version__} / jaxlib {jaxlib.__version__}"
+
+
+@pytest.mark.parametrize("version", [jexport.minimum_supported_calling_convention_version - 1,
+                                     jexport.maximum_supported_calling_convention_version + 1])
+def test_error_calling_convention_outside_window(manifest: Manifest, version: int) -> None:
+    with pytest.raises(ArtifactError) as info:
+        load_artifact(_patched(_artifact(manifest), calling_convention=version))
+    lo = jexport.minimum_supported_calling_convention_version
+    hi = jexport.maximum_supported_calling_convention_version
+    assert str(info.value).startswith(
+        f"artifact calling convention version {version} is not supported: {LOCAL} supports "
+        f"{lo}..{hi}")
+
+
+def test_error_stablehlo_outside_window(manifest: Manifest) -> None:
+    future = "9" + _golden_stablehlo()[1:]  # same length, major version 9
+    with pytest.raises(ArtifactError) as info:
+        load_artifact(_patched(_artifact(manifest), stablehlo=future))
+    assert str(info.value).startswith(
+        f"artifact StableHLO version {future} is outside the window "
+        f"{hlo.get_minimum_version()}..{hlo.get_current_version()} that {LOCAL} can read")
+
+
+def test_error_worker_refuses_artifact_outside_window(manifest: Manifest, cluster3: Cluster,
+                                                      tmp_path: pathlib.Path) -> None:
+    bad = _patched(_artifact(manifest),
+                   calling_convention=jexport.maximum_supported_calling_convention_version + 1)
+    reg = LocalRegistry(tmp_path)
+    digest = reg.put(bad)
+    first = manifest.stages[0]
+    stages = (dataclasses.replace(first, spec=first.spec.replace(artifact_digest=digest)),
+              *manifest.stages[1:])
+    with pytest.raises(ArtifactError) as info:
+        cluster3.deploy_manifest(dataclasses.replace(manifest, stages=stages), registry=reg)
+    msg = str(info.value)
+    assert "LoadStage (stage 0)" in msg and "calling convention version" in msg
+    assert LOCAL in msg  # the worker's versions ...
+    v = first.spec.versions  # ... and the exporter's
+    assert f"[stage 0 was exported with jax {v.jax}, jaxlib {v.jaxlib}, StableHLO " \
+           f"{v.stablehlo}]" in msg

@@ -1,0 +1,83 @@
+"""Tests for the worker's caches across a restart (jaxdist.config and ``--artifact-cache``):
+the artifact cache keeps uploaded artifacts, and the persistent XLA compilation cache, namespaced
+by jaxlib version and device, makes the second start compile faster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jaxlib
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxdist.config import host_cpu_fingerprint
+from jaxdist.coordinator import Cluster
+from jaxdist.model import Model
+from jaxdist.publishing import publish
+
+from models import mlp, mlp_reference
+
+LAYERS = 24
+BUCKETS = [{"b": b} for b in (1, 2, 4, 8, 16, 32, 64, 128)]  # 8 compiles per start
+
+
+@pytest.fixture(scope="module")
+def restarts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Start a worker on fresh caches and deploy; then restart it on the same cache directories
+    and deploy again. Returns what each start saw."""
+    tmp = tmp_path_factory.mktemp("caches")
+    rng = np.random.default_rng(7)
+    save_file({f"l{i}.w": (rng.standard_normal((32, 32)) / 6).astype(np.float32)
+               for i in range(LAYERS)}, str(tmp / "mlp.safetensors"))
+    base = mlp(LAYERS)
+    model = Model(base.name, base.units, base.inputs, buckets=BUCKETS)
+    pub = publish(model, tmp / "registry", stages=1, platforms=("cpu",),
+                  model_path="mlp.safetensors")
+    caches = {"artifact_cache": str(tmp / "artifacts"), "compilation_cache": str(tmp / "xla")}
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    seen: dict[str, Any] = {"tmp": tmp, "published": pub,
+                            "want": mlp_reference(tmp, x, n_layers=LAYERS)}
+    for run in ("cold", "warm"):
+        with Cluster.local(1, weights_roots=[str(tmp)], **caches) as cluster:
+            client = cluster.clients[0]
+            seen[f"{run}_has"] = client.has_artifact(pub.manifest.digests[0])
+            seen[f"{run}_kind"] = client.info().devices[0].kind
+            # Warm: no registry at all, so any upload would fail; the cache must serve it.
+            registry = pub.registry if run == "cold" else None
+            pipe = cluster.deploy_manifest(pub.manifest, registry=registry)
+            (seen[run],) = cluster.stage_loads(pipe.pipeline_id)
+            seen[f"{run}_out"] = pipe.call(x=x)["x"]
+            pipe.close()
+    return seen
+
+
+def test_artifact_cache_survives_restart(restarts: dict[str, Any]) -> None:
+    assert not restarts["cold_has"] and restarts["cold"].uploaded
+    assert restarts["warm_has"] and not restarts["warm"].uploaded
+    for run in ("cold", "warm"):
+        np.testing.assert_allclose(restarts[f"{run}_out"], restarts["want"], rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_compilation_cache_layout_names_jaxlib_and_device(restarts: dict[str, Any]) -> None:
+    kind = restarts["cold_kind"]
+    assert kind == "cpu"
+    directory = restarts["tmp"] / "xla" / f"jaxlib-{jaxlib.__version__}" / (
+        f"cpu-{host_cpu_fingerprint()}")
+    entries = list(directory.iterdir())
+    assert len(entries) >= len(BUCKETS), entries
+    # Nothing outside the namespaced directory: another jaxlib or device starts empty.
+    assert [p.name for p in (restarts["tmp"] / "xla").iterdir()] == [
+        f"jaxlib-{jaxlib.__version__}"]
+
+
+def test_second_start_compiles_faster(restarts: dict[str, Any]) -> None:
+    cold, warm = restarts["cold"].compile_s, restarts["warm"].compile_s
+    # A ratio within one run, not an absolute time: measured 0.2-0.25 on a 2-core machine.
+    assert warm < 0.6 * cold, (cold, warm)
+
+
+def test_host_cpu_fingerprint_is_stable() -> None:
+    fp = host_cpu_fingerprint()
+    assert fp == host_cpu_fingerprint() and len(fp) == 8 and int(fp, 16) >= 0

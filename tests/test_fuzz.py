@@ -1,0 +1,998 @@
+"""Fuzzing of every decoder that reads bytes from the network or from a weight file.
+
+Decoders under test, and the one error type each documents:
+
+* the frame path: ``pb.Frame.FromString`` then ``frames.FrameAssembler`` (what the coordinator
+  does with ``pb.Frame`` objects), the data plane's own deserializers ``frames.parse_frame`` /
+  ``frames.parse_event`` (both paths: protobuf below ``SCAN_MIN_BYTES``, the wire scan above it),
+  ``codec.parse_tensor``, ``protowire.fields`` and ``codec.TensorAssembler`` -> ``CodecError``;
+* the tensor codec, ``codec.from_bytes`` -> ``CodecError``;
+* the spec decoder, ``StageSpec.deserialize`` -> ``SpecError``;
+* the artifact loader, ``vetting.load_artifact`` with ``expected_digest`` = the digest of the
+  fuzzed bytes -> ``ArtifactError``;
+* the weight readers, ``weights.gguf.GGUFFile`` / ``weights.safetensors.SafetensorsFile`` /
+  ``read_index`` and ``WeightCache.describe`` / ``metadata`` (what ``DescribeWeights`` runs) on
+  fuzzed files -> ``WeightError``.
+
+The property is the same everywhere: a decoder returns a well-formed value or raises its
+documented ``JaxdistError`` subclass; no other exception, and no hang (each example runs under a
+SIGALRM deadline of ``EXAMPLE_DEADLINE_S``; pytest-timeout's thread method backs it up).
+
+Inputs are mostly *mutations of valid encodings* (bit flips, byte sets, inserts, deletes,
+truncations, splices of interesting values), plus structured messages with hostile field values:
+random bytes almost never get past a protobuf or flatbuffer's first byte.
+
+**Artifacts.** The embedded StableHLO module is parsed by MLIR's native bytecode reader, and a
+flipped byte *inside* it can abort the process (``malloc(): invalid size``, ``LLVM ERROR``,
+documented in ``jaxdist/vetting.py``; the digest check is what protects a worker). So the
+artifact fuzzer mutates only the flatbuffer around the module (the root table, vtables, the
+module's length prefix, platform and name strings, shardings, avals) and truncates anywhere. It
+runs in a child process, so a native abort fails this test with the offending input instead of
+killing the whole pytest run.
+
+**Known bugs.** Each bug the fuzzers found has its own ``test_error_<case>`` regression test below,
+marked ``xfail(strict=True)`` with the bug in the reason. While it is open, the fuzzers tolerate
+exactly that signature (exception type and message, :data:`KNOWN_BUGS`) so they keep checking
+everything else. When a bug is fixed, its regression test passes, strict xfail turns that into a
+failure, and whoever fixed it deletes the mark and the :data:`KNOWN_BUGS` entry.
+
+**Budget.** The default run is derandomized (the same inputs every time) and does 11,000
+inputs across the decoders in about 30 s of CPU. A long run scales every fuzzer and draws new
+random inputs each time::
+
+    JAXDIST_FUZZ_EXAMPLES=200000 pytest tests/test_fuzz.py -p no:cacheprovider
+
+``JAXDIST_FUZZ_EXAMPLES`` is the total number of inputs, split across the fuzzers in proportion to
+their default shares. ``JAXDIST_FUZZ_SEED=N`` makes a long run reproducible.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+from jaxdist.worker.servicer import WorkerConfig
+from safetensors.numpy import save_file
+
+from jaxdist import codec, protowire
+from jaxdist.errors import ArtifactError, CodecError, JaxdistError, SpecError, WeightError
+from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.spec import StageSpec
+from jaxdist.transport import frames
+from jaxdist.weights import WeightCache
+from jaxdist.weights.gguf import GGUFFile
+from jaxdist.weights.safetensors import SafetensorsFile, read_index
+
+WORKER = WorkerConfig()  # the worker's default limits (its CLI cannot change them)
+
+# ---------------------------------------------------------------------------------------------
+# Budget and settings
+
+DEFAULT_SHARES = {  # inputs per fuzzer in the default run (11,000 in all)
+    "protowire": 2000, "from_bytes": 1000, "pb_frame": 700, "parse_frame": 1000,
+    "scan_frame": 500, "parse_event": 900, "coordinator_assembler": 400, "spec_bytes": 1800,
+    "spec_structured": 400, "artifact": 800, "gguf": 600, "safetensors": 600,
+    "safetensors_index": 300,
+}
+_TOTAL = os.environ.get("JAXDIST_FUZZ_EXAMPLES", "").strip()
+_SEED = os.environ.get("JAXDIST_FUZZ_SEED", "").strip()
+LONG_RUN = bool(_TOTAL)
+EXAMPLE_DEADLINE_S = 10.0  # per input; every input here is small, so this only catches hangs
+EXAMPLES_RUN: dict[str, int] = {}
+
+
+def budget(name: str) -> int:
+    """Inputs for one fuzzer: its default share, or its share of JAXDIST_FUZZ_EXAMPLES."""
+    share = DEFAULT_SHARES[name]
+    if not LONG_RUN:
+        return share
+    return max(1, int(int(_TOTAL) * share / sum(DEFAULT_SHARES.values())))
+
+
+def fuzz_settings(name: str) -> Callable[[Any], Any]:
+    """Hypothesis settings of one fuzzer (derandomized unless this is a long run)."""
+    s = settings(max_examples=budget(name), deadline=None, derandomize=not LONG_RUN,
+                 database=None, print_blob=True,
+                 suppress_health_check=list(HealthCheck))
+
+    def apply(fn: Any) -> Any:
+        fn = s(fn)
+        return seed(int(_SEED))(fn) if LONG_RUN and _SEED else fn
+    return apply
+
+
+def timeout_for(name: str) -> pytest.MarkDecorator:
+    """pytest-timeout backstop for a whole fuzzer; the thread method leaves SIGALRM to us."""
+    return pytest.mark.timeout(120 + budget(name) // 20, method="thread")
+
+
+class Hang(AssertionError):
+    """An input took longer than EXAMPLE_DEADLINE_S."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float = EXAMPLE_DEADLINE_S) -> Iterator[None]:
+    """Raise Hang if the block runs longer than ``seconds`` (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise Hang(f"input took more than {seconds}s (hang?)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def count(name: str) -> None:
+    EXAMPLES_RUN[name] = EXAMPLES_RUN.get(name, 0) + 1
+
+
+def run_fuzzer(name: str, fuzz: Callable[[], None]) -> None:
+    """Run one hypothesis fuzzer and check it really ran (about) its budget of inputs."""
+    EXAMPLES_RUN[name] = 0
+    fuzz()
+    n = EXAMPLES_RUN[name]
+    assert n >= 0.9 * budget(name), f"{name}: only {n} of {budget(name)} inputs were run"
+
+
+# ---------------------------------------------------------------------------------------------
+# Known bugs: tolerated by the fuzzers while open; each has an xfail(strict) regression test.
+
+KNOWN_BUGS: dict[str, tuple[tuple[type[BaseException], ...], str]] = {
+    # spec.py TensorSig.from_proto / validate(): str.isdigit() accepts Unicode digits ("²") and
+    # "--5" after lstrip("-"), and int() of 4301+ digits is refused: ValueError, not SpecError.
+    "spec_int_parse": ((ValueError,),
+                       r"invalid literal for int\(\)|Exceeds the limit \(\d+ digits\)"),
+    # codec._check/decode/TensorAssembler: rank > 64, or a zero-size shape whose other dims
+    # exceed numpy's largest array: numpy's ValueError escapes instead of CodecError.
+    "codec_numpy_shape": ((ValueError,), (r"maximum supported dimension|array is too big|"
+                                          r"cannot reshape array of size 0 into shape")),
+    # codec.TensorAssembler without max_bytes (the coordinator's Pipeline._listen uses
+    # FrameAssembler() with no limits): the buffer of a declared multi-TiB tensor is allocated.
+    "codec_unbounded_alloc": ((MemoryError, ValueError),
+                              (r"Unable to allocate|Maximum allowed dimension exceeded|"
+                               r"array is too big")),
+    # frames.parse_frame/parse_event: protobuf's DecodeError escapes instead of CodecError.
+    "frames_decode_error": ((DecodeError,), r"Error parsing message"),
+    # weights/safetensors.py: JSON numbers like 1e999 (inf) in shape/data_offsets raise
+    # OverflowError from int(); a deeply nested header raises RecursionError from json.loads.
+    "safetensors_json": ((OverflowError, RecursionError),
+                         r"cannot convert float infinity to integer|maximum recursion depth"),
+    # weights/safetensors.py keeps a non-object "__metadata__"; WeightCache.metadata() then
+    # fails in dict.update with TypeError/ValueError (DescribeWeights answers INTERNAL).
+    "safetensors_metadata": ((TypeError, ValueError),
+                             r"dictionary update sequence|cannot convert dictionary update"),
+}
+KNOWN_HITS: dict[str, int] = {}
+
+
+def outcome(fn: Callable[[], Any], expected: type[JaxdistError], *known: str) -> tuple[Any, Any]:
+    """Run one decoder call: ``(value, None)``, or ``(None, error)`` for the documented error
+    type or a tolerated known bug. Anything else fails the example with the exception chained."""
+    try:
+        return fn(), None
+    except expected as exc:
+        return None, exc
+    except Hang:
+        raise
+    except Exception as exc:  # the point: classify every exception
+        for key in known:
+            types, pattern = KNOWN_BUGS[key]
+            if isinstance(exc, types) and re.search(pattern, str(exc)):
+                KNOWN_HITS[key] = KNOWN_HITS.get(key, 0) + 1
+                return None, exc
+        raise AssertionError(f"expected {expected.__name__} or a value, got "
+                             f"{type(exc).__module__}.{type(exc).__name__}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Mutations
+
+
+INTERESTING = [b"\x00", b"\xff", b"\x7f", b"\x80", b"\x01", b"\xff\xff\xff\xff\x0f",
+               b"\xff" * 9 + b"\x01", b"\x80" * 10, b"\xfe\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+               struct.pack("<I", 0xFFFFFFFF), struct.pack("<I", 0x7FFFFFFF),
+               struct.pack("<Q", 1 << 63),
+               struct.pack("<i", -1), struct.pack("<i", -8)]
+
+
+@st.composite
+def mutation_of(draw: st.DrawFn, data: bytes, allowed: Callable[[int], bool] | None = None,
+                max_ops: int = 4) -> bytes:
+    """``data`` with 1..max_ops mutations. ``allowed(pos)`` limits where bytes may change
+    (truncation is always allowed: it only cuts)."""
+    buf = bytearray(data)
+
+    def position(extra: int = 0) -> int | None:
+        n = len(buf) + extra
+        if n <= 0:
+            return None
+        for _ in range(8):
+            p = draw(st.integers(0, n - 1))
+            if allowed is None or allowed(p):
+                return p
+        return None
+
+    for _ in range(draw(st.integers(1, max_ops))):
+        op = draw(st.sampled_from(["flip", "set", "interesting", "insert", "delete", "truncate",
+                                   "duplicate", "append"]))
+        if op == "truncate":
+            del buf[draw(st.integers(0, len(buf))):]
+            continue
+        if op == "append" and allowed is None:
+            buf += draw(st.binary(min_size=1, max_size=16))
+            continue
+        p = position()
+        if p is None:
+            continue
+        if op == "flip":
+            buf[p] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set":
+            buf[p] = draw(st.integers(0, 255))
+        elif op == "interesting":
+            value = draw(st.sampled_from(INTERESTING))
+            end = min(len(buf), p + len(value))
+            if allowed is None or all(allowed(i) for i in range(p, end)):
+                buf[p:end] = value[:end - p]
+        elif allowed is not None:  # length-changing ops would move the protected region
+            buf[p] = draw(st.integers(0, 255))
+        elif op == "insert":
+            buf[p:p] = draw(st.binary(min_size=1, max_size=8) | st.sampled_from(INTERESTING))
+        elif op == "delete":
+            del buf[p:p + draw(st.integers(1, 8))]
+        elif op == "duplicate":
+            n = draw(st.integers(1, 16))
+            buf[p:p] = buf[p:p + n]
+    return bytes(buf)
+
+
+def mutated(seeds: list[bytes], **kw: Any) -> st.SearchStrategy[bytes]:
+    return st.sampled_from(seeds).flatmap(lambda s: mutation_of(s, **kw))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors and frames
+
+DTYPES = [np.float32, np.float16, np.int32, np.int64, np.uint8, np.bool_, np.float64]
+
+
+def _seed_tensors() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    import ml_dtypes
+    return [
+        {"x": rng.standard_normal((2, 3)).astype(np.float32)},
+        {"tokens": np.arange(6, dtype=np.int32).reshape(1, 6), "pos": np.zeros(1, np.int64)},
+        {"s": np.array(3.5, np.float32), "b": np.array([True, False]),
+         "h": np.ones((2, 2), ml_dtypes.bfloat16)},
+        {"e": np.zeros((0, 4), np.float16), "u": np.arange(40, dtype=np.uint8)},
+        {f"t{i}": np.full((3,), i, DTYPES[i % len(DTYPES)]) for i in range(5)},
+    ]
+
+
+SEED_TENSORS = _seed_tensors()
+TENSOR_SEEDS = [codec.to_bytes(k, v) for t in SEED_TENSORS for k, v in t.items()]
+HEADER = frames.FrameHeader("pipe", "sess", 3, 0, request_id=7, reply_to="me")
+
+
+def _frame_seeds() -> list[list[bytes]]:
+    """Frames (lists of messages); small chunk sizes make multi-message, chunked frames."""
+    out = []
+    for tensors in SEED_TENSORS:
+        for chunk in (8, 64, codec.DEFAULT_CHUNK_BYTES):
+            out.append(list(frames.split_frame(HEADER, tensors, chunk_bytes=chunk)))
+    out.append(list(frames.split_frame(HEADER, {})))
+    return out
+
+
+FRAME_SEEDS = _frame_seeds()
+FRAME_MSG_SEEDS = [m for f in FRAME_SEEDS for m in f]
+EVENT_SEEDS = [m for t in SEED_TENSORS for chunk in (16, 1 << 20)
+               for m in frames.result_events(HEADER, t, chunk_bytes=chunk)]
+EVENT_SEEDS += [pb.Event(error=pb.RemoteError(code="INTERNAL", type="X", message="m", stage=1),
+                         request_id=3, session_id="s").SerializeToString(),
+                pb.Event(heartbeat=1.5).SerializeToString()]
+# Unknown field 15, 64 KiB: pushes a message over SCAN_MIN_BYTES onto the wire-scan path.
+SCAN_PAD = protowire.field_prefix(15, frames.SCAN_MIN_BYTES) + bytes(frames.SCAN_MIN_BYTES)
+
+
+@st.composite
+def tensor_messages(draw: st.DrawFn) -> bytes:
+    """A Tensor message with hostile header values (shape, dtype enum, offsets, sizes)."""
+    small = st.integers(0, 8)
+    dim = small | st.integers(-(1 << 63), (1 << 63) - 1) | st.sampled_from(
+        [0, 1, 1 << 31, 1 << 32, 1 << 62, (1 << 63) - 1, -1])
+    shape = draw(st.lists(dim, max_size=4) | st.lists(st.just(1), min_size=60, max_size=70)
+                 | st.lists(st.sampled_from([0, 1 << 62, 1 << 40]), min_size=1, max_size=4))
+    enum = draw(st.integers(0, 14) | st.integers(-(1 << 31), (1 << 31) - 1))
+    data = draw(st.binary(max_size=64))
+    itemsize = codec._NP_BY_ENUM[enum].itemsize if enum in codec._NP_BY_ENUM else 1
+    declared = itemsize * int(np.prod(shape, dtype=object)) if shape else itemsize
+    total = draw(st.sampled_from([0, len(data)]) | st.integers(0, (1 << 64) - 1)
+                 | st.just(declared % (1 << 64)))  # consistent with the shape: a real chunk
+    offset = draw(st.sampled_from([0]) | st.integers(0, (1 << 64) - 1))
+    name = draw(st.sampled_from(["x", "", "y"]) | st.text(max_size=8))
+    return pb.Tensor(name=name, dtype=enum, shape=shape, data=data, offset=offset,
+                     total_bytes=total).SerializeToString()
+
+
+def check_tensor(name: str, arr: np.ndarray) -> None:
+    assert isinstance(arr, np.ndarray), (name, type(arr))
+    assert arr.nbytes == int(np.prod(arr.shape, dtype=object)) * arr.dtype.itemsize
+
+
+@fuzz_settings("protowire")
+@given(data=mutated(TENSOR_SEEDS + FRAME_MSG_SEEDS[:20]) | st.binary(max_size=64))
+def _fuzz_protowire_fields(data: bytes) -> None:
+    count("protowire")
+    with deadline():
+        fields, err = outcome(lambda: list(protowire.fields(memoryview(data))), CodecError)
+    if err is None:
+        for field, wire_type, start, value, end in fields:
+            assert field > 0 and 0 <= start < end <= len(data)
+
+
+@timeout_for("protowire")
+def test_fuzz_protowire_fields() -> None:
+    run_fuzzer("protowire", _fuzz_protowire_fields)
+
+
+@fuzz_settings("from_bytes")
+@given(data=mutated(TENSOR_SEEDS) | tensor_messages() | st.binary(max_size=48))
+def _fuzz_codec_from_bytes(data: bytes) -> None:
+    count("from_bytes")
+    with deadline():
+        value, err = outcome(lambda: codec.from_bytes(data), CodecError, "codec_numpy_shape")
+        chunk, err2 = outcome(lambda: codec.parse_tensor(memoryview(data), 0, len(data)),
+                              CodecError)
+    if err is None:
+        check_tensor(*value)
+    if err2 is None and err is None:  # both readers agree on what they both accept
+        assert chunk[0] == value[0]
+
+
+@timeout_for("from_bytes")
+def test_fuzz_codec_from_bytes() -> None:
+    run_fuzzer("from_bytes", _fuzz_codec_from_bytes)
+
+
+def _worker_limits() -> dict[str, int]:
+    """The worker's frame limits (WorkerConfig defaults), as Push's FrameAssembler gets them."""
+    return {"max_bytes": WORKER.max_frame_tensor_bytes, "max_tensors": WORKER.max_tensors_per_frame}
+
+
+@st.composite
+def frame_streams(draw: st.DrawFn, hostile_tensor: bool = False) -> list[bytes]:
+    """A stream of Frame messages: seed frames, some messages mutated, dropped, repeated,
+    reordered or mixed with another frame's (which the assembler must refuse, not crash on).
+    With ``hostile_tensor``, a hostile Tensor is always added to one message."""
+    msgs = list(draw(st.sampled_from(FRAME_SEEDS)))
+    if draw(st.booleans()):
+        msgs += draw(st.sampled_from(FRAME_SEEDS))
+    for i in draw(st.lists(st.integers(0, len(msgs) - 1), max_size=3)):
+        msgs[i] = draw(mutation_of(msgs[i]))
+    edit = "tensor" if hostile_tensor else draw(
+        st.sampled_from(["none", "none", "drop", "repeat", "swap", "tensor"]))
+    if edit == "drop" and len(msgs) > 1:
+        del msgs[draw(st.integers(0, len(msgs) - 1))]
+    elif edit == "repeat":
+        msgs.append(msgs[draw(st.integers(0, len(msgs) - 1))])
+    elif edit == "swap" and len(msgs) > 1:
+        i = draw(st.integers(0, len(msgs) - 2))
+        msgs[i], msgs[i + 1] = msgs[i + 1], msgs[i]
+    elif edit == "tensor":  # a hostile Tensor appended to a message (field 5 of Frame)
+        t = draw(tensor_messages())
+        i = draw(st.integers(0, len(msgs) - 1))
+        msgs[i] += protowire.field_prefix(5, len(t)) + t
+    return msgs
+
+
+def _assemble(views: list[Any], asm: frames.FrameAssembler, *known: str) -> None:
+    """Feed views to an assembler the way Push does: errors reset it and the stream goes on."""
+    for view in views:
+        result, err = outcome(lambda view=view: asm.add(view), CodecError, *known)
+        if err is not None:
+            asm.reset()
+        elif result is not None:
+            header, tensors = result
+            assert isinstance(header, frames.FrameHeader)
+            for name, arr in tensors.items():
+                check_tensor(name, arr)
+
+
+@fuzz_settings("pb_frame")
+@given(msgs=frame_streams())
+def _fuzz_pb_frame_and_assembler(msgs: list[bytes]) -> None:
+    """``pb.Frame.FromString`` (protobuf's DecodeError is its own documented error) then the
+    assembler with the worker's limits, as the coordinator assembles ``pb.Frame`` objects."""
+    count("pb_frame")
+    parsed = []
+    with deadline():
+        for data in msgs:
+            try:
+                parsed.append(pb.Frame.FromString(data))
+            except DecodeError:
+                break
+        _assemble(parsed, frames.FrameAssembler(**_worker_limits()), "codec_numpy_shape")
+
+
+@timeout_for("pb_frame")
+def test_fuzz_pb_frame_and_assembler() -> None:
+    run_fuzzer("pb_frame", _fuzz_pb_frame_and_assembler)
+
+
+def _parse_views(msgs: list[bytes], parse: Callable[[bytes], Any]) -> list[Any]:
+    views = []
+    for data in msgs:
+        view, err = outcome(lambda data=data: parse(data), CodecError, "frames_decode_error")
+        if err is not None:
+            break  # gRPC ends the stream when the request deserializer raises
+        views.append(view)
+    return views
+
+
+@fuzz_settings("parse_frame")
+@given(msgs=frame_streams())
+def _fuzz_parse_frame_and_assembler(msgs: list[bytes]) -> None:
+    """The worker's Push path: ``parse_frame`` (the request deserializer), then the assembler
+    with the worker's limits."""
+    count("parse_frame")
+    with deadline():
+        views = _parse_views(msgs, frames.parse_frame)
+        _assemble(views, frames.FrameAssembler(**_worker_limits()), "codec_numpy_shape")
+
+
+@timeout_for("parse_frame")
+def test_fuzz_parse_frame_and_assembler() -> None:
+    run_fuzzer("parse_frame", _fuzz_parse_frame_and_assembler)
+
+
+@fuzz_settings("scan_frame")
+@given(msgs=frame_streams(), pad_first=st.booleans())
+def _fuzz_parse_frame_scan_path(msgs: list[bytes], pad_first: bool) -> None:
+    """Messages padded past SCAN_MIN_BYTES (an unknown field) take the wire-scan parser."""
+    count("scan_frame")
+    padded = [SCAN_PAD + m if pad_first else m + SCAN_PAD for m in msgs]
+    with deadline():
+        views = _parse_views(padded, frames.parse_frame)
+        _assemble(views, frames.FrameAssembler(**_worker_limits()), "codec_numpy_shape")
+
+
+@timeout_for("scan_frame")
+def test_fuzz_parse_frame_scan_path() -> None:
+    run_fuzzer("scan_frame", _fuzz_parse_frame_scan_path)
+
+
+@fuzz_settings("parse_event")
+@given(data=mutated(EVENT_SEEDS), pad=st.booleans())
+def _fuzz_parse_event(data: bytes, pad: bool) -> None:
+    """The coordinator's Subscribe deserializer, both paths; a result goes to an assembler."""
+    count("parse_event")
+    data = data + SCAN_PAD if pad else data
+    with deadline():
+        view, err = outcome(lambda: frames.parse_event(data), CodecError, "frames_decode_error")
+        if err is None and view.result is not None:
+            _assemble([view.result], frames.FrameAssembler(**_worker_limits()),
+                      "codec_numpy_shape")
+
+
+@timeout_for("parse_event")
+def test_fuzz_parse_event() -> None:
+    run_fuzzer("parse_event", _fuzz_parse_event)
+
+
+@fuzz_settings("coordinator_assembler")
+@given(msgs=frame_streams(hostile_tensor=True))
+def _fuzz_coordinator_assembler_without_limits(msgs: list[bytes]) -> None:
+    """``Pipeline._listen`` assembles results with ``FrameAssembler()``: no size limits."""
+    count("coordinator_assembler")
+    with deadline():
+        views = _parse_views(msgs, frames.parse_frame)
+        _assemble(views, frames.FrameAssembler(), "codec_numpy_shape", "codec_unbounded_alloc")
+
+
+@timeout_for("coordinator_assembler")
+def test_fuzz_coordinator_assembler_without_limits() -> None:
+    run_fuzzer("coordinator_assembler", _fuzz_coordinator_assembler_without_limits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def _seed_specs() -> list[bytes]:
+    from jaxdist.spec import ShapeBucket, StateSig, TensorSig, Versions, WeightRef
+
+    base = StageSpec(
+        artifact_digest=DIGEST, inputs=(TensorSig("x", "float32", ("b", 32)),),
+        outputs=(TensorSig("x", "float32", ("b", 32)),),
+        weights=tuple(WeightRef(f"l{i}.w", f"safetensors://mlp.safetensors#l{i}.w", (32, 32),
+                                "float32") for i in range(2)),
+        device="cpu", stage_index=0, num_stages=2, next_hop="127.0.0.1:5000",
+        buckets=(ShapeBucket({"b": 4}),), platforms=("cpu",),
+        versions=Versions(jax="0.10.2", jaxlib="0.10.2", serialization_version=3,
+                          calling_convention_version=10, stablehlo="1.17.0"),
+        model="mlp", stage_id="p/0")
+    llm = base.replace(
+        inputs=(TensorSig("tokens", "int32", ("b", "s")), TensorSig("pos", "int32", ("b",))),
+        outputs=(TensorSig("token", "int32", ("b",)),),
+        state=(StateSig("k", "bfloat16", (1, 8, 2, 4)), StateSig("v", "bfloat16", (1, 8, 2, 4))),
+        weights=(WeightRef("emb", "gguf://m.gguf#token_embd.weight", (64, 16), "uint8",
+                           sha256="0" * 64, packed=True, quant="Q8_0"),
+                 WeightRef("raw", "file://raw.bin", (4,), "float16", transpose=True)),
+        stage_index=1, next_hop="", buckets=(ShapeBucket({"b": 1, "s": 8}),),
+        artifact=b"\x10\x00\x00\x00inline-artifact-bytes")
+    return [base.serialize(), llm.serialize()]
+
+
+SPEC_SEEDS = _seed_specs()
+
+
+def _check_spec(data: bytes) -> None:
+    spec, err = outcome(lambda: StageSpec.deserialize(data), SpecError, "spec_int_parse")
+    if err is None:  # a spec that validates survives a round trip unchanged
+        assert StageSpec.deserialize(spec.serialize()) == spec
+
+
+@fuzz_settings("spec_bytes")
+@given(data=mutated(SPEC_SEEDS) | st.binary(max_size=64))
+def _fuzz_spec_bytes(data: bytes) -> None:
+    count("spec_bytes")
+    with deadline():
+        _check_spec(data)
+
+
+@timeout_for("spec_bytes")
+def test_fuzz_spec_bytes() -> None:
+    run_fuzzer("spec_bytes", _fuzz_spec_bytes)
+
+
+_WEIRD = ["", " ", "-1", "--5", "²", "٣", "1e3", "0x10", "b", "b-1", "_", "007", "9" * 30,
+          "\x00", "é", "b ", "1.5", "+3", "𝟙"]
+
+
+def _texts(*good: str) -> st.SearchStrategy[str]:
+    return st.sampled_from(list(good) + _WEIRD) | st.text(max_size=12)
+
+
+@st.composite
+def structured_specs(draw: st.DrawFn) -> bytes:
+    """A StageSpec message whose every field may hold a hostile value."""
+    i64 = st.integers(0, 8) | st.integers(-(1 << 63), (1 << 63) - 1)
+    dtype = _texts("float32", "bfloat16", "int32", "uint8", "f32", "complex64", "float8")
+    dims = st.lists(_texts("b", "s", "4", "32", "0"), max_size=4)
+    sig = st.builds(pb.TensorSig, name=_texts("x", "y", "tokens"), dtype=dtype, dims=dims)
+    state = st.builds(pb.StateSig, name=_texts("k", "v"), dtype=dtype,
+                      shape=st.lists(i64, max_size=4))
+    uri = st.sampled_from(["gguf://m.gguf#t", "safetensors://a.safetensors#w", "file://r.bin",
+                           "file://r.bin#t", "s3://b/k", "gguf://#t", "gguf://m.gguf#",
+                           "safetensors://../x#w", "gguf:///etc/passwd#t", ""]) \
+        | st.text(max_size=20)
+    weight = st.builds(pb.WeightRef, param=_texts("w", "emb"), uri=uri,
+                       shape=st.lists(i64, max_size=3), dtype=dtype,
+                       sha256=st.sampled_from(["", "0" * 64, "A" * 64, "0" * 63, "g" * 64]),
+                       packed=st.booleans(), layout=st.integers(0, 3),
+                       quant=st.sampled_from(["", "Q8_0", "Q4_1", "NOPE"]))
+    bucket = st.builds(pb.ShapeBucket, dims=st.dictionaries(_texts("b", "s"), i64, max_size=3))
+    msg = pb.StageSpec(
+        spec_version=draw(_texts("1.0", "1.9", "2.0", "1", "0.1", "1.0.0")),
+        model=draw(st.text(max_size=8)),
+        stage_index=draw(st.integers(0, 4) | st.integers(0, (1 << 32) - 1)),
+        num_stages=draw(st.integers(0, 4) | st.integers(0, (1 << 32) - 1)),
+        artifact_digest=draw(st.sampled_from([DIGEST, DIGEST.upper(), DIGEST[:-1], "sha256:",
+                                              "md5:" + "0" * 32]) | st.text(max_size=10)),
+        artifact=draw(st.binary(max_size=8)),
+        inputs=draw(st.lists(sig, max_size=3)), outputs=draw(st.lists(sig, max_size=3)),
+        state=draw(st.lists(state, max_size=2)), weights=draw(st.lists(weight, max_size=3)),
+        device=draw(_texts("auto", "cpu", "cuda:1", "gpu", "tpu:3", "metal", "CPU ", "auto:1")),
+        next_hop=draw(_texts("127.0.0.1:5000", "[::1]:80", "host:99999", "h:p", ":80")),
+        buckets=draw(st.lists(bucket, max_size=2)),
+        platforms=draw(st.lists(st.sampled_from(["cpu", "cuda", "x"]), max_size=2)),
+        stage_id=draw(st.text(max_size=8)))
+    return msg.SerializeToString()
+
+
+@fuzz_settings("spec_structured")
+@given(data=structured_specs())
+def _fuzz_spec_structured(data: bytes) -> None:
+    count("spec_structured")
+    with deadline():
+        _check_spec(data)
+
+
+@timeout_for("spec_structured")
+def test_fuzz_spec_structured() -> None:
+    run_fuzzer("spec_structured", _fuzz_spec_structured)
+
+
+# ---------------------------------------------------------------------------------------------
+# Artifacts (in a child process: see the module docstring)
+
+
+def _artifact_seeds() -> list[tuple[bytes, int, int]]:
+    """(artifact bytes, start, end of the embedded StableHLO module) of a few real artifacts."""
+    import jax.numpy as jnp
+    from jax._src.export import serialization_generated as ser_flatbuf
+
+    from jaxdist.artifacts import export_stage
+
+    def dense(p: Any, s: Any, x: Any) -> Any:
+        return {"y": jnp.tanh(x["x"] @ p["w"])}, {}
+
+    def acc(p: Any, s: Any, x: Any) -> Any:
+        total = s["acc"] + x["x"].sum(axis=0)
+        return {"total": total}, {"acc": total}
+
+    arts = [export_stage(dense, params={"w": ((4, 4), "float32")},
+                         inputs={"x": ("b, 4", "float32")}, platforms=("cpu",)),
+            export_stage(acc, params={}, state={"acc": ((4,), "float32")},
+                         inputs={"x": ("b, 4", "float32")}, platforms=("cpu", "cuda", "tpu")),
+            export_stage(dense, params={"w": ((4, 4), "float32")},
+                         inputs={"x": ((2, 4), "float32")}, platforms=("metal",))]
+    out = []
+    for art in arts:
+        module = ser_flatbuf.Exported.GetRootAs(art.data, 0).MlirModuleSerializedAsNumpy()
+        start = (module.__array_interface__["data"][0]
+                 - np.frombuffer(art.data, np.uint8).__array_interface__["data"][0])
+        assert art.data[start:start + len(module)] == module.tobytes()
+        out.append((art.data, start, start + len(module)))
+    return out
+
+
+def artifact_campaign(n: int, derandomize: bool, progress: str, seed_value: int | None) -> None:
+    """Run the artifact fuzzer (in a child process). Writes each input to ``progress`` before
+    vetting it, so a native abort can be traced to its input; prints ``examples=N`` at the end."""
+    from jaxdist.vetting import digest_of, load_artifact
+
+    seeds = _artifact_seeds()
+    runs = [0]
+
+    @st.composite
+    def inputs(draw: st.DrawFn) -> bytes:
+        data, start, end = draw(st.sampled_from(seeds))
+        return draw(mutation_of(data, allowed=lambda p: not start <= p < end))
+
+    @settings(max_examples=n, deadline=None, derandomize=derandomize, database=None,
+              print_blob=True, suppress_health_check=list(HealthCheck))
+    @given(data=inputs(), platform=st.sampled_from(["cpu", "cpu", "cuda", "metal"]))
+    def run(data: bytes, platform: str) -> None:
+        runs[0] += 1
+        with open(progress, "w") as f:
+            f.write(f"{platform} {data.hex()}\n")
+        with deadline():
+            exported, err = outcome(lambda: load_artifact(
+                data, expected_digest=digest_of(data), platform=platform), ArtifactError)
+        if err is None:
+            assert exported.in_avals is not None
+
+    if seed_value is not None:
+        run = seed(seed_value)(run)
+    run()
+    print(f"examples={runs[0]}", flush=True)
+
+
+@pytest.mark.timeout(300 + budget("artifact") // 10, method="thread")
+def test_fuzz_load_artifact_flatbuffer_region(tmp_path: Path) -> None:
+    n = budget("artifact")
+    progress = tmp_path / "current-input.txt"
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import test_fuzz
+        test_fuzz.artifact_campaign({n}, {not LONG_RUN}, {str(progress)!r},
+                                    {int(_SEED) if _SEED else None})
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                          timeout=240 + n // 10,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu",
+                               "TF_CPP_MIN_LOG_LEVEL": "3"})
+    if proc.returncode < 0:
+        last = progress.read_text() if progress.exists() else "(none)"
+        pytest.fail(f"the artifact loader killed the process with signal {-proc.returncode} "
+                    f"on input (platform, hex):\n{last}\nstderr tail:\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    found = re.search(r"examples=(\d+)", proc.stdout)
+    assert found and int(found.group(1)) >= 0.9 * n, proc.stdout[-2000:]
+    EXAMPLES_RUN["artifact"] = int(found.group(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight files
+
+
+def _gguf_seed(path: Path) -> bytes:
+    from gguf import quants
+
+    T, V = gguf.GGMLQuantizationType, gguf.GGUFValueType
+    rng = np.random.default_rng(5)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("llama.block_count", 2)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_string("general.name", "fuzz")
+    w.add_array("tokenizer.ggml.tokens", ["<s>", "hello", "wörld"])
+    w.add_array("tokenizer.ggml.scores", [0.0, -1.0, -2.0])
+    w.add_key_value("nested", [[1, 2], [3]], V.ARRAY)
+    w.add_tensor("f32", rng.standard_normal((2, 8)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((3, 4)).astype(np.float16))
+    src = rng.standard_normal((2, 64)).astype(np.float32)
+    w.add_tensor("q8", quants.quantize(src, T.Q8_0), raw_dtype=T.Q8_0)
+    w.add_tensor("q41", quants.quantize(src, T.Q4_1), raw_dtype=T.Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+class _Files:
+    """Fresh file names in one directory (a mapped file is never rewritten in place)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="jaxdist-fuzz-"))
+        self.n = 0
+        atexit.register(shutil.rmtree, self.dir, ignore_errors=True)
+
+    def write(self, suffix: str, data: bytes) -> Path:
+        self.n += 1
+        path = self.dir / f"f{self.n}{suffix}"
+        path.write_bytes(data)
+        return path
+
+
+FILES = _Files()
+GGUF_SEED = _gguf_seed(FILES.dir / "seed.gguf")
+# The header (KVs and tensor infos) is where the parser works; bias mutations there.
+_GGUF_HEADER_END = GGUF_SEED.index(b"q41") + 64
+
+
+@fuzz_settings("gguf")
+@given(data=mutation_of(GGUF_SEED, allowed=None) | mutation_of(
+    GGUF_SEED, allowed=lambda p: p < _GGUF_HEADER_END, max_ops=3) | st.binary(max_size=40))
+def _fuzz_gguf_reader(data: bytes) -> None:
+    count("gguf")
+    path = FILES.write(".gguf", data)
+    try:
+        # Fuzzed quant scales decode to NaN/inf: numpy's warnings about them are expected.
+        with deadline(), np.errstate(all="ignore"):
+            reader, err = outcome(lambda: GGUFFile(path), WeightError)
+            if err is None:
+                outcome(reader.metadata, WeightError)
+                for name in reader.names():
+                    info, _ = outcome(lambda name=name: reader.info(name), WeightError)
+                    arr, e = outcome(lambda name=name: reader.read(name), WeightError)
+                    if e is None:
+                        assert arr.shape == info.shape, (name, arr.shape, info.shape)
+                reader.close()
+            with WeightCache([FILES.dir]) as cache:
+                outcome(lambda: cache.describe(path.name), WeightError)
+                outcome(lambda: cache.metadata(path.name), WeightError)
+    finally:
+        path.unlink()
+
+
+@timeout_for("gguf")
+def test_fuzz_gguf_reader() -> None:
+    run_fuzzer("gguf", _fuzz_gguf_reader)
+
+
+def _safetensors_seed() -> bytes:
+    import ml_dtypes
+    path = FILES.dir / "seed.safetensors"
+    rng = np.random.default_rng(6)
+    save_file({"a": rng.standard_normal((2, 3)).astype(np.float32),
+               "b": np.arange(4, dtype=np.int64), "c": np.ones((2, 2), ml_dtypes.bfloat16),
+               "e": np.zeros((0,), np.float16)}, str(path), metadata={"format": "np"})
+    return path.read_bytes()
+
+
+SAFETENSORS_SEED = _safetensors_seed()
+
+
+def _json_containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children,
+                                                            max_size=3)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
+                     | st.sampled_from([1e999, -1e999, 0.5, float("nan")]) | st.text(max_size=6),
+                     _json_containers, max_leaves=12)
+_ENTRY = st.fixed_dictionaries(
+    {}, optional={"dtype": st.sampled_from(["F32", "BF16", "I64", "F8_E4M3", "X"]) | _JSON,
+                  "shape": st.lists(st.integers(-2, 6) | st.sampled_from([1 << 62, 1e999]),
+                                    max_size=3) | _JSON,
+                  "data_offsets": st.lists(st.integers(-2, 40) | st.sampled_from([1e999]),
+                                           min_size=2, max_size=3) | _JSON})
+
+
+@st.composite
+def safetensors_files(draw: st.DrawFn) -> bytes:
+    kind = draw(st.sampled_from(["bytes", "header", "header", "nesting"]))
+    if kind == "bytes":
+        return draw(mutation_of(SAFETENSORS_SEED) | mutation_of(
+            SAFETENSORS_SEED, allowed=lambda p: p < 8 + 200, max_ops=2))
+    if kind == "nesting":
+        depth = draw(st.sampled_from([10, 1000, 200_000]))
+        head = ("[" * depth + "]" * depth).encode()
+    else:
+        keys = st.sampled_from(["a", "b", "__metadata__"]) | st.text(max_size=4)
+        header = draw(st.dictionaries(keys, _ENTRY | _JSON, max_size=3))
+        head = json.dumps(header).encode()  # allow_nan: 1e999 is written as Infinity
+    n = len(head) + draw(st.sampled_from([0, 0, 1, -1, 1 << 40]))
+    return struct.pack("<Q", max(0, n)) + head + bytes(draw(st.integers(0, 48)))
+
+
+@fuzz_settings("safetensors")
+@given(data=safetensors_files())
+def _fuzz_safetensors_reader(data: bytes) -> None:
+    count("safetensors")
+    path = FILES.write(".safetensors", data)
+    try:
+        with deadline():
+            reader, err = outcome(lambda: SafetensorsFile(path), WeightError, "safetensors_json")
+            if err is None:
+                for name in reader.names():
+                    info = reader.info(name)
+                    arr, e = outcome(lambda name=name: reader.read(name), WeightError)
+                    if e is None:
+                        assert arr.shape == info.shape and arr.nbytes == info.nbytes
+                reader.close()
+            with WeightCache([FILES.dir]) as cache:
+                outcome(lambda: cache.describe(path.name), WeightError, "safetensors_json")
+                outcome(lambda: cache.metadata(path.name), WeightError, "safetensors_json",
+                        "safetensors_metadata")
+    finally:
+        path.unlink()
+
+
+@timeout_for("safetensors")
+def test_fuzz_safetensors_reader() -> None:
+    run_fuzzer("safetensors", _fuzz_safetensors_reader)
+
+
+@fuzz_settings("safetensors_index")
+@given(doc=_JSON | st.fixed_dictionaries({"weight_map": _JSON}),
+       raw=st.none() | st.binary(max_size=24))
+def _fuzz_safetensors_index(doc: Any, raw: bytes | None) -> None:
+    count("safetensors_index")
+    data = raw if raw is not None else json.dumps(doc).encode()
+    path = FILES.write(".json", data)
+    try:
+        with deadline():
+            index, err = outcome(lambda: read_index(path), WeightError, "safetensors_json")
+        if err is None:
+            assert all(isinstance(k, str) and isinstance(v, str) for k, v in index.items())
+    finally:
+        path.unlink()
+
+
+@timeout_for("safetensors_index")
+def test_fuzz_safetensors_index() -> None:
+    run_fuzzer("safetensors_index", _fuzz_safetensors_index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regression tests of the bugs the fuzzers found (xfail until fixed; see KNOWN_BUGS)
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "spec.py TensorSig.from_proto: `d.lstrip('-').isdigit()` is true for Unicode digits ('²') "
+    "and for '--5', then int(d) raises ValueError; StageSpec.deserialize (and LoadStage, which "
+    "answers INTERNAL) must raise SpecError. Fix: parse dims with re.fullmatch(r'-?[0-9]+', d, "
+    "re.ASCII) (and at most 18 digits), keep anything else a symbol for validate() to refuse"))
+@pytest.mark.parametrize("dim", ["²", "--5", "1" * 5000], ids=["superscript", "double-minus",
+                                                              "5000-digits"])
+def test_error_spec_dim_not_ascii_integer(dim: str) -> None:
+    msg = pb.StageSpec.FromString(SPEC_SEEDS[0])
+    msg.outputs[0].dims[1] = dim
+    with pytest.raises(SpecError, match=r"StageSpec\.outputs\[0\]\.dims\[1\]"):
+        StageSpec.deserialize(msg.SerializeToString())
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "spec.py validate(): the spec_version major passes str.isdigit() ('²', '٣') or has 4301+ "
+    "digits, then int(major) raises ValueError instead of SpecError. Fix: "
+    "re.fullmatch(r'[0-9]{1,9}', major, re.ASCII)"))
+@pytest.mark.parametrize("version", ["².0", "1" * 5000], ids=["superscript", "5000-digits"])
+def test_error_spec_version_not_ascii_integer(version: str) -> None:
+    msg = pb.StageSpec.FromString(SPEC_SEEDS[0])
+    msg.spec_version = version
+    with pytest.raises(SpecError, match=r"StageSpec\.spec_version: unsupported version"):
+        StageSpec.deserialize(msg.SerializeToString())
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "codec._check accepts a shape numpy cannot make: rank > 64, or a zero dim next to dims "
+    "whose product overflows (0, 2**62, 2**62); decode()/TensorAssembler then raise numpy's "
+    "ValueError from reshape, not CodecError (a worker reports it as INTERNAL). Fix: in _check, "
+    "refuse len(shape) > 64 and a product of the non-zero dims * itemsize >= 2**63"))
+@pytest.mark.parametrize("shape", [[1] * 65, [0, 1 << 62, 1 << 62], [16, 32] + [64] * 9 + [0]],
+                         ids=["rank-65", "zero-huge", "zero-overflowing-product"])
+def test_error_codec_shape_numpy_cannot_make(shape: list[int]) -> None:
+    empty = 0 in shape
+    data = pb.Tensor(name="x", dtype=pb.U8, shape=shape, data=b"" if empty else b"\0",
+                     total_bytes=0 if empty else 1).SerializeToString()
+    with pytest.raises(CodecError, match="tensor 'x'"):
+        codec.from_bytes(data)
+
+
+@pytest.mark.xfail(strict=True, raises=(MemoryError, ValueError), reason=(
+    "codec.TensorAssembler with max_bytes=None (the coordinator: Pipeline._listen uses "
+    "FrameAssembler() without limits) allocates the whole declared tensor on its first chunk: "
+    "a peer declaring 4 TiB gets numpy's MemoryError/ValueError, not CodecError, and a declared "
+    "size within overcommit is allocated. Fix: a finite default limit in TensorAssembler (and "
+    "give the coordinator's FrameAssembler the same limits as the worker), and turn allocation "
+    "failures into CodecError"))
+@pytest.mark.parametrize("elements", [1 << 40, 1 << 61], ids=["4TiB", "8EiB"])
+def test_error_coordinator_assembler_huge_declared_tensor(elements: int) -> None:
+    msg = pb.Tensor(name="x", dtype=pb.F32, shape=[elements], data=b"\0" * 4, offset=0,
+                    total_bytes=elements * 4)
+    with pytest.raises(CodecError, match="tensor 'x'"):
+        codec.TensorAssembler().add(msg)
+
+
+@pytest.mark.xfail(strict=True, raises=DecodeError, reason=(
+    "frames.parse_frame / parse_event (the Push and Subscribe deserializers) let protobuf's "
+    "DecodeError out on malformed bytes (always below SCAN_MIN_BYTES; for malformed header "
+    "fields above it), while the scan path raises CodecError for the same damage. Fix: catch "
+    "DecodeError around pb.Frame/pb.Event.FromString and raise CodecError"))
+@pytest.mark.parametrize("parse", [frames.parse_frame, frames.parse_event], ids=["frame", "event"])
+def test_error_frames_parse_garbage(parse: Callable[[bytes], Any]) -> None:
+    with pytest.raises(CodecError, match="malformed"):
+        parse(b"\xff\xff\xff")
+
+
+@pytest.mark.xfail(strict=True, raises=(OverflowError, RecursionError), reason=(
+    "weights/safetensors.py: a header number 1e999 (JSON Infinity) in shape or data_offsets makes "
+    "int() raise OverflowError, and a deeply nested header makes json.loads raise RecursionError; "
+    "neither is WeightError (DescribeWeights/LoadStage answer INTERNAL). Fix: catch OverflowError "
+    "with TypeError/ValueError in _parse_entry, and RecursionError around json.loads (also in "
+    "read_index)"))
+@pytest.mark.parametrize("header", [
+    '{"a":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}',
+    '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,1e999]}}',
+    "[" * 100_000 + "]" * 100_000], ids=["inf-shape", "inf-offset", "deep-nesting"])
+def test_error_safetensors_hostile_json(tmp_path: Path, header: str) -> None:
+    head = header.encode()
+    path = tmp_path / "h.safetensors"
+    path.write_bytes(struct.pack("<Q", len(head)) + head + bytes(8))
+    with pytest.raises(WeightError, match="is malformed"):
+        SafetensorsFile(path)
+
+
+@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError), reason=(
+    "weights/safetensors.py takes '__metadata__' as is (here a list); "
+    "WeightCache.metadata() then fails in dict.update with TypeError, and DescribeWeights "
+    "answers INTERNAL. Fix: require a JSON object of strings in SafetensorsFile and raise "
+    "WeightError otherwise"))
+def test_error_safetensors_metadata_not_an_object(tmp_path: Path) -> None:
+    head = b'{"__metadata__":[1,2]}'
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(head)) + head)
+    with WeightCache([tmp_path]) as cache, pytest.raises(WeightError, match="__metadata__"):
+        cache.metadata("m.safetensors")
