@@ -74,6 +74,9 @@ class Pipeline:
         self._last_seen = {c.address: time.monotonic() for c in self._unique}
         self._subs = []
         self._threads = []
+        # Set by a subscription's first event: the worker sends it once the subscription is
+        # registered, so a result published after that has somewhere to go.
+        self._subscribed = {c.address: threading.Event() for c in self._unique}
         for c in self._unique:
             call = c.subscribe(pipeline_id, self.reply_to)
             self._subs.append(call)
@@ -81,6 +84,11 @@ class Pipeline:
                                  name=f"sub-{c.address}", daemon=True)
             t.start()
             self._threads.append(t)
+        deadline = time.monotonic() + max(heartbeat_timeout, 10.0)
+        for address, subscribed in self._subscribed.items():
+            if not subscribed.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("worker %s has not confirmed the result subscription of pipeline "
+                            "%s; the heartbeat watchdog takes over", address, pipeline_id)
         self._sender = self.clients[0].sender(on_error=lambda e: self._fail_worker(
             self.clients[0].address, str(e)))
         self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
@@ -89,10 +97,17 @@ class Pipeline:
     # -- receiving --------------------------------------------------------------------------
 
     def _listen(self, address: str, call: Any) -> None:
+        try:
+            self._receive(address, call)
+        finally:  # a subscription that failed at once must not hold up __init__
+            self._subscribed[address].set()
+
+    def _receive(self, address: str, call: Any) -> None:
         asm = FrameAssembler()
         try:
             for view in call:  # frames.EventView (see jaxdist.transport.wire)
                 self._last_seen[address] = time.monotonic()
+                self._subscribed[address].set()
                 if view.result is not None:
                     done = asm.add(view.result)
                     if done is not None:
