@@ -16,8 +16,20 @@ covers a process's whole life. Target: ``<= 1.3x``.
 * **idle_worker_rss**: a worker that has loaded nothing (the fixed cost of Python, jaxlib and
   gRPC), read before the SmolLM2 deploy.
 
-Every record has the current RSS too (``VmRSS``, ``RssAnon``, ``RssFile``) and
-``added_peak_over_bound`` = (VmHWM - idle RSS) / bound bytes, which leaves out the idle process.
+Every record has the current RSS too (``VmRSS``, ``RssAnon``, ``RssFile``), ``steady_ratio``
+= VmRSS / bound bytes, and ``added_peak_over_bound`` = (VmHWM - idle RSS) / bound bytes, which
+leaves out the idle process.
+
+**What the rest is made of** (``memory_breakdown_smollm2_stage<k>``): each SmolLM2 stage is
+loaded again in a fresh child process (``--phases-of DIR``, one at a time) through the worker's
+own steps, ``WorkerStage.prepare``, ``compile`` for every bucket, ``bind``,
+``WeightCache.drop_readers`` and ``init_state``, with the worker's persistent compilation
+cache. The RSS after each step, less the one before, is that step's part; the peak of each step
+comes from ``VmHWM`` reset through ``/proc/self/clear_refs`` before it. The parts: the idle
+process (Python, jax, jaxlib imported), the compiler and runtime code a first compile pages in,
+the compiled executables, the weights, the weight files' pages left resident, the KV state, and
+each step's transient peak. ``worker_extra_mb`` is what the real worker holds beyond those (the
+gRPC server and its threads, shapes compiled at run time, frames in flight).
 
 Usage::
 
@@ -26,8 +38,11 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +87,7 @@ def _stage_rows(cluster: Any, pipe: Any, idle: dict[int, dict[str, int]]
                      "rss_anon_bytes": st["RssAnon"], "rss_file_bytes": st["RssFile"],
                      "idle_rss_bytes": idle[w.pid]["VmRSS"],
                      "ratio": st["VmHWM"] / bound,
+                     "steady_ratio": round(st["VmRSS"] / bound, 4),
                      "rss_ratio": round(st["VmRSS"] / bound, 4),
                      # Anonymous memory only: without the file pages still mapped from the
                      # weight files (clean page cache the kernel could drop).
@@ -83,6 +99,15 @@ def _stage_rows(cluster: Any, pipe: Any, idle: dict[int, dict[str, int]]
 
 def _idle(cluster: Any) -> dict[int, dict[str, int]]:
     return {w.pid: proc_status(w.pid) for w in cluster.local_workers}
+
+
+def _smollm2_model() -> tuple[Any, str]:
+    from jaxdist.cli.generate import default_model
+    from jaxdist.exporting import load_model
+
+    path = default_model()
+    root = str(path.parent)
+    return load_model(path.name, roots=[root], **SMOLLM2_OPTIONS).model, root
 
 
 def measure_smollm2(quick: bool) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, Any]]:
@@ -173,7 +198,116 @@ def measure_mlp(root: str, workers: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _mb(n: int) -> float:
+    return round(n / 1e6, 1)
+
+
+def phases_child(directory: str) -> dict[str, Any]:
+    """In this (fresh) process: load the stage in ``directory`` step by step; RSS after each.
+
+    ``directory`` holds ``spec.bin`` (a serialized StageSpec), ``artifact.bin`` and ``root``
+    (the weights root). Prints nothing; returns the readings in bytes.
+    """
+    def reading() -> dict[str, int]:
+        st = proc_status(os.getpid())
+        with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here on
+            f.write("5")
+        return st
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxdist import config as jd_config
+    from jaxdist.heap import release_free_heap
+    from jaxdist.spec import StageSpec
+    from jaxdist.stage import WorkerStage
+    from jaxdist.weights import WeightCache
+
+    with open(os.path.join(directory, "spec.bin"), "rb") as f:
+        spec = StageSpec.deserialize(f.read())
+    with open(os.path.join(directory, "artifact.bin"), "rb") as f:
+        artifact = f.read()
+    with open(os.path.join(directory, "root")) as f:
+        root = f.read()
+    jd_config.configure_compilation_cache(jd_config.default_compilation_cache(),
+                                          jax.devices()[0].device_kind)  # as the worker does
+    out = {"idle": reading()}
+    x = np.ones((8, 8), np.float32)
+    jax.jit(lambda a: jnp.tanh(a @ a))(x).block_until_ready()
+    release_free_heap()
+    out["runtime"] = reading()
+    stage = WorkerStage.prepare(spec, artifact=artifact)
+    for bucket in spec.buckets:
+        stage.compile(bucket)
+    out["compiled"] = reading()
+    cache = WeightCache([root])
+    stage.bind(cache)
+    out["bound"] = reading()
+    cache.drop_readers()
+    out["readers_dropped"] = reading()
+    state = stage.init_state()
+    jax.block_until_ready(state)
+    out["state"] = reading()
+    return {"readings": out, "executables": len(spec.buckets),
+            "weight_bytes": int(spec.weight_bytes), "state_bytes": int(spec.state_bytes)}
+
+
+def breakdown(model: Any, root: str, stages: int) -> list[dict[str, Any]]:
+    """Each stage of ``model`` loaded in a child process (:func:`phases_child`), as parts in MB.
+
+    The stages are planned and exported as ``Cluster.deploy`` does, so they are the deployed
+    ones."""
+    from jaxdist.coordinator import build_stage_specs, plan_stages
+
+    ranges = plan_stages(model, stages=stages)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jaxdist-bench-phases-") as tmp:
+        for b in build_stage_specs(model, ranges, platforms=("cpu",)):
+            d = os.path.join(tmp, str(b.spec.stage_index))
+            os.makedirs(d)
+            for name, data in (("spec.bin", b.spec.serialize()),
+                               ("artifact.bin", b.artifact.data)):
+                with open(os.path.join(d, name), "wb") as f:
+                    f.write(data)
+            with open(os.path.join(d, "root"), "w") as f:
+                f.write(root)
+            proc = subprocess.run([sys.executable, __file__, "--phases-of", d], check=True,
+                                  capture_output=True, text=True)
+            rows.append(_parts(json.loads(proc.stdout.strip().splitlines()[-1])))
+    return rows
+
+
+def _parts(child: dict[str, Any]) -> dict[str, Any]:
+    r = child["readings"]
+
+    def rss(k: str, f: str = "VmRSS") -> int:
+        return r[k][f]
+
+    bound = child["weight_bytes"] + child["state_bytes"]
+    total = rss("state")
+    return {
+        "bound_bytes": bound, "child_rss_mb": _mb(total), "child_steady_ratio": total / bound,
+        "child_peak_mb": _mb(max(v["VmHWM"] for v in r.values())),
+        "idle_process_mb": _mb(rss("idle")),
+        "compiler_runtime_code_mb": _mb(rss("runtime") - rss("idle")),
+        "executables_mb": _mb(rss("compiled") - rss("runtime")),
+        "executables": child["executables"],
+        "compile_transient_mb": _mb(r["compiled"]["VmHWM"] - rss("compiled")),
+        "weights_mb": _mb(rss("bound", "RssAnon") - rss("compiled", "RssAnon")),
+        "weights_bound_mb": _mb(child["weight_bytes"]),
+        "bind_transient_mb": _mb(r["bound"]["VmHWM"] - rss("bound")),
+        "weight_file_pages_mb": _mb(rss("readers_dropped", "RssFile")
+                                    - rss("compiled", "RssFile")),
+        "kv_state_mb": _mb(rss("state") - rss("readers_dropped")),
+        "kv_state_bound_mb": _mb(child["state_bytes"]),
+    }
+
+
 def run(opts: Any) -> list[dict[str, Any]]:
+    if opts.phases_of:
+        print(json.dumps(phases_child(opts.phases_of)), flush=True)
+        return []
     machine = c.machine()
     records: list[dict[str, Any]] = []
     rows, idle, detail = measure_smollm2(opts.quick)
@@ -184,6 +318,17 @@ def run(opts: Any) -> list[dict[str, Any]]:
     for row in rows:
         c.emit(_rss_record(f"peak_rss_ratio_smollm2_stage{row['stage']}", row,
                            **detail, **machine), records)
+    t0 = time.perf_counter()
+    parts = breakdown(*_smollm2_model(), stages=len(rows))
+    note(f"smollm2 breakdown: {time.perf_counter() - t0:.1f}s")
+    for row, part in zip(rows, parts):
+        ratio = part["child_steady_ratio"]
+        c.emit(c.record(f"memory_breakdown_smollm2_stage{row['stage']}", ratio, "x",
+                        "bound bytes (stage weights + KV)", part["bound_bytes"] / 1e6, ratio,
+                        f"<= {TARGET}x bound bytes", ratio <= TARGET, baseline_unit="MB",
+                        worker_rss_mb=_mb(row["vmrss_bytes"]),
+                        worker_extra_mb=round(row["vmrss_bytes"] / 1e6 - part["child_rss_mb"],
+                                              1), **part, **machine), records)
     tmp = tempfile.mkdtemp(prefix="jaxdist-bench-memory-")
     try:
         t0 = time.perf_counter()
@@ -210,5 +355,9 @@ def _rss_record(metric: str, row: dict[str, Any], **detail: Any) -> dict[str, An
                     **{k: v for k, v in row.items() if k != "ratio"}, **detail)
 
 
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--phases-of", metavar="DIR", help=argparse.SUPPRESS)  # the child's mode
+
+
 if __name__ == "__main__":
-    sys.exit(c.cli(__doc__, run))
+    sys.exit(c.cli(__doc__, run, _add_args))

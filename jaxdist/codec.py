@@ -30,33 +30,46 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from jaxdist import protowire
-from jaxdist.errors import CodecError
+from jaxdist.errors import CodecError, LimitError
 from jaxdist.proto import jaxdist_pb2 as pb
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_MAX_TENSORS",
+    "DEFAULT_MAX_TENSOR_BYTES",
     "SUPPORTED_DTYPES",
     "TensorAssembler",
     "canonical_dtype",
+    "chunk_of",
+    "chunks",
     "decode",
     "decode_tensors",
     "dtype_from_name",
     "encode",
     "encode_tensors",
+    "from_bytes",
     "group_chunks",
-    "chunk_of",
-    "chunks",
     "parse_tensor",
     "tensor_pieces",
     "to_bytes",
-    "from_bytes",
 ]
 
 # 1 MiB chunks: gRPC Python reaches its best throughput with 1-4 MB messages on loopback
 # (DESIGN.md, measured), and it keeps every message far below the 4 MiB default limit.
 DEFAULT_CHUNK_BYTES = 1 << 20
+
+# What a TensorAssembler accepts unless told otherwise (the worker's defaults too): a peer's
+# header declares a tensor's size, and the assembler allocates it on the first chunk.
+DEFAULT_MAX_TENSOR_BYTES = 1 << 30
+DEFAULT_MAX_TENSORS = 256
+
+# numpy's limits: at most 64 dims, and the product of the non-zero dims times the item size
+# must fit an intp, even for an empty array (np.empty((0, 2**62, 4), np.uint8) is refused).
+_MAX_RANK = 64
+_MAX_ARRAY_BYTES = (1 << 63) - 1
 
 _NP_BY_ENUM: dict[int, np.dtype] = {
     pb.F32: np.dtype(np.float32),
@@ -170,17 +183,33 @@ def _check(name: str, enum: int, dims: Iterable[int], offset: int, total: int
     if dtype is None:
         raise CodecError(f"tensor {name!r}: unknown dtype enum {enum}")
     shape = tuple(int(d) for d in dims)
+    if len(shape) > _MAX_RANK:
+        raise CodecError(f"tensor {name!r}: rank {len(shape)} is over the largest supported "
+                         f"rank of {_MAX_RANK}")
     count = 1
     for d in shape:
         if d < 0:
             raise CodecError(f"tensor {name!r}: negative dimension in shape {shape}")
         count *= d
     nbytes = count * dtype.itemsize
+    if nbytes > _MAX_ARRAY_BYTES or (
+            count == 0 and _nonzero_bytes(shape, dtype) > _MAX_ARRAY_BYTES):
+        raise CodecError(f"tensor {name!r}: shape {shape} of {dtype.name} is over numpy's "
+                         f"largest array: its non-zero dims times the item size must be under "
+                         f"2**63 bytes")
     if nbytes != total and not (total == 0 and offset == 0):
         raise CodecError(
             f"tensor {name!r}: shape {shape} of {dtype.name} needs {nbytes} bytes, "
             f"header says total_bytes={total}")
     return dtype, shape, nbytes
+
+
+def _nonzero_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """The size numpy checks for an empty shape: its non-zero dims times the item size."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d or 1
+    return n
 
 
 def decode(msg: pb.Tensor) -> np.ndarray:
@@ -300,11 +329,18 @@ def chunk_of(msg: pb.Tensor) -> Chunk:
     return chunk  # type: ignore[return-value]
 
 
-def _aligned_empty(nbytes: int) -> np.ndarray:
+def _aligned_empty(name: str, nbytes: int) -> np.ndarray:
     """An uninitialized byte buffer on a 64-byte boundary. XLA:CPU uses such a host array in
     place; any other alignment costs a full copy per call (1.2 ms per 16 MiB here). Not zeroed:
-    the assembler proves the chunks tile the tensor before it hands the buffer out."""
-    buf = np.empty(nbytes + 64, np.uint8)
+    the assembler proves the chunks tile the tensor before it hands the buffer out.
+
+    Raises:
+        LimitError: the memory for tensor ``name`` cannot be allocated.
+    """
+    try:
+        buf = np.empty(nbytes + 64, np.uint8)
+    except (MemoryError, ValueError) as exc:
+        raise LimitError(f"tensor {name!r}: cannot allocate {nbytes} bytes for it: {exc}") from None
     start = -buf.ctypes.data % 64
     return buf[start:start + nbytes]
 
@@ -312,12 +348,16 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
 class TensorAssembler:
     """Collects tensor messages (whole or chunked) and returns complete arrays.
 
+    A chunked tensor's buffer is allocated, at the size its header declares, when its first
+    chunk arrives: the limits bound what a peer can make this process allocate.
+
     Args:
-        max_bytes: refuse a tensor whose declared size exceeds this (protects memory).
-        max_tensors: refuse more than this many distinct tensors.
+        max_bytes: refuse a tensor whose declared size exceeds this (``None``: no limit).
+        max_tensors: refuse more than this many distinct tensors (``None``: no limit).
     """
 
-    def __init__(self, *, max_bytes: int | None = None, max_tensors: int | None = None) -> None:
+    def __init__(self, *, max_bytes: int | None = DEFAULT_MAX_TENSOR_BYTES,
+                 max_tensors: int | None = DEFAULT_MAX_TENSORS) -> None:
         self._max_bytes = max_bytes
         self._max_tensors = max_tensors
         self._done: dict[str, np.ndarray] = {}
@@ -326,25 +366,35 @@ class TensorAssembler:
                                        list[tuple[int, int]]]] = {}
 
     def add(self, msg: pb.Tensor) -> None:
-        """Add one message. Raises CodecError on inconsistent or overlapping chunks."""
+        """Add one message. See :meth:`add_chunk`."""
         self.add_chunk(chunk_of(msg))
 
     def add_chunk(self, chunk: Chunk) -> None:
-        """Add one chunk (from :func:`parse_tensor` or :func:`chunk_of`)."""
+        """Add one chunk (from :func:`parse_tensor` or :func:`chunk_of`).
+
+        Raises:
+            CodecError: a malformed header, or inconsistent, overlapping or repeated chunks.
+            LimitError: the tensor is over ``max_bytes``, one tensor too many arrived, or its
+                buffer cannot be allocated.
+        """
         name, enum, dims, data, offset, total = chunk
         if name in self._done:
             raise CodecError(f"tensor {name!r} received twice in one frame")
         dtype, shape, nbytes = _check(name, enum, dims, offset, total)
         if self._max_bytes is not None and nbytes > self._max_bytes:
-            raise CodecError(f"tensor {name!r} is {nbytes} bytes, over the limit of {self._max_bytes}")
+            raise LimitError(f"tensor {name!r} is {nbytes} bytes, over the limit of "
+                             f"{self._max_bytes} bytes per tensor")
         n = len(data)
         if name not in self._partial:
-            if self._max_tensors is not None and len(self._done) + len(self._partial) >= self._max_tensors:
-                raise CodecError(f"more than {self._max_tensors} tensors in one frame")
+            if (self._max_tensors is not None
+                    and len(self._done) + len(self._partial) >= self._max_tensors):
+                raise LimitError(f"more than {self._max_tensors} tensors in one frame (the "
+                                 f"limit); tensor {name!r} would be number "
+                                 f"{len(self._done) + len(self._partial) + 1}")
             if offset == 0 and n == nbytes:
                 self._done[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
                 return
-            self._partial[name] = (dtype, shape, _aligned_empty(nbytes), 0, [])
+            self._partial[name] = (dtype, shape, _aligned_empty(name, nbytes), 0, [])
         pdtype, pshape, buf, got, spans = self._partial[name]
         if (pdtype, pshape) != (dtype, shape):
             raise CodecError(f"tensor {name!r}: chunk header {dtype.name}{list(shape)} differs from "
@@ -382,7 +432,9 @@ class TensorAssembler:
 
 
 def decode_tensors(msgs: Iterable[pb.Tensor], **limits: int | None) -> dict[str, np.ndarray]:
-    """Decode a sequence of messages (whole or chunked) into named arrays."""
+    """Decode a sequence of messages (whole or chunked) into named arrays.
+
+    ``limits`` are :class:`TensorAssembler`'s (``max_bytes``, ``max_tensors``)."""
     asm = TensorAssembler(**limits)
     asm.extend(msgs)
     return asm.finish()
@@ -398,6 +450,6 @@ def from_bytes(data: bytes) -> tuple[str, np.ndarray]:
     msg = pb.Tensor()
     try:
         msg.ParseFromString(data)
-    except Exception as exc:  # protobuf raises DecodeError, or others on garbage
+    except DecodeError as exc:
         raise CodecError(f"malformed tensor bytes ({len(data)} bytes): {exc}") from None
     return msg.name, decode(msg)

@@ -37,10 +37,11 @@ from jaxdist.partition import balanced_split, explicit_split
 from jaxdist.pipeline import Pipeline, Session
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.registry import open_registry
-from jaxdist.spec import ShapeBucket, StageSpec, StateSig, TensorSig, Versions
+from jaxdist.spec import ShapeBucket, StageSpec, StateSig, TensorSig, Versions, parse_dim
 from jaxdist.transport.client import WorkerClient
+from jaxdist.transport.security import client_auth
 
-__all__ = ["Cluster", "Pipeline", "Session", "Progress", "StageLoad", "build_stage_specs",
+__all__ = ["Cluster", "Pipeline", "Progress", "Session", "StageLoad", "build_stage_specs",
            "plan_stages"]
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
                    for n, (shape, dtype) in state.items()},
             inputs=inputs, platforms=platforms, symbolic_constraints=tuple(model.constraints))
         meta = art.meta
-        symbols = {d for t in meta.inputs for d in t.dims if not d.isdigit()}
+        symbols = {d for t in meta.inputs for d in t.dims if isinstance(parse_dim(d), str)}
         buckets = []
         for b in model.buckets:
             dims = {s: int(v) for s, v in b.items() if s in symbols}
@@ -124,10 +125,10 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
                 buckets.append(ShapeBucket(dims))
         spec = StageSpec(
             artifact_digest=art.digest,
-            inputs=tuple(TensorSig(t.name, t.dtype, tuple(int(d) if d.isdigit() else d
-                                                          for d in t.dims)) for t in meta.inputs),
-            outputs=tuple(TensorSig(t.name, t.dtype, tuple(int(d) if d.isdigit() else d
-                                                           for d in t.dims)) for t in meta.outputs),
+            inputs=tuple(TensorSig(t.name, t.dtype, tuple(parse_dim(d) for d in t.dims))
+                         for t in meta.inputs),
+            outputs=tuple(TensorSig(t.name, t.dtype, tuple(parse_dim(d) for d in t.dims))
+                          for t in meta.outputs),
             weights=tuple(p.ref(n) for n, p in params.items()),
             state=tuple(StateSig(n, jax.numpy.dtype(dt).name, tuple(sh))
                         for n, (sh, dt) in state.items()),
@@ -166,15 +167,24 @@ class Cluster:
         heartbeat_timeout: a worker silent for this long is declared frozen or gone.
         metadata: call metadata sent with every call (e.g. a bearer token).
         credentials: TLS channel credentials.
+        spares: ``HOST:PORT`` of spare workers. They get no stage at deploy; when a worker of a
+            pipeline dies, :meth:`Pipeline.recover` moves its stages to a spare.
     """
 
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0,
                  heartbeat_timeout: float = 5.0, metadata: tuple[tuple[str, str], ...] = (),
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 spares: Sequence[str] = ()) -> None:
         if not addresses:
             raise TransportError("a cluster needs at least one worker address")
+        both = sorted(set(addresses) & set(spares))
+        if both:
+            raise TransportError(f"workers {both} are given both as workers and as spares")
         self.clients = [WorkerClient(a, timeout=timeout, metadata=metadata,
                                      credentials=credentials) for a in addresses]
+        self.spare_clients = [WorkerClient(a, timeout=timeout, metadata=metadata,
+                                           credentials=credentials) for a in spares]
+        self._spare_lock = threading.Lock()
         self.heartbeat_timeout = heartbeat_timeout
         self._local: list[LocalWorker] = []
         self._pipelines: list[Pipeline] = []
@@ -184,6 +194,11 @@ class Cluster:
     def addresses(self) -> list[str]:
         return [c.address for c in self.clients]
 
+    @property
+    def spares(self) -> list[str]:
+        """Spare workers not yet used by a failover."""
+        return [c.address for c in self.spare_clients]
+
     @classmethod
     def connect(cls, addresses: Sequence[str] | str, *, wait: float = 10.0, **kwargs: Any
                 ) -> Cluster:
@@ -192,7 +207,7 @@ class Cluster:
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         cluster = cls(addresses, **kwargs)
         try:
-            for c in cluster.clients:
+            for c in cluster.clients + cluster.spare_clients:
                 c.wait_ready(wait)
                 c.info()
         except BaseException:
@@ -202,18 +217,25 @@ class Cluster:
 
     @classmethod
     def local(cls, n: int, *, weights_roots: Sequence[str] = (), device: str = "cpu",
-              **kwargs: Any) -> Cluster:
+              spares: int = 0, **kwargs: Any) -> Cluster:
         """Spawn ``n`` worker processes on loopback; they stop when the cluster closes.
+
+        ``spares`` more workers are spawned as spares (see the constructor).
 
         Extra keyword arguments go to :func:`jaxdist.local.spawn_workers` (``artifact_cache``,
         ``compilation_cache``, ``max_sessions``, ``pin_cpus``, ``log_level``, ``env``) or to the
-        constructor (``timeout``, ``heartbeat_timeout``).
+        constructor (``timeout``, ``heartbeat_timeout``). The workers' ``token_file``,
+        ``tls_cert``, ``tls_key`` and ``tls_ca`` are also the cluster's own credentials.
         """
         ctor = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout") if k in kwargs}
-        workers = spawn_workers(n, weights_roots=[str(r) for r in weights_roots], device=device,
-                                **kwargs)
+        auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
+                                                       "tls_ca") if kwargs.get(k)})
+        ctor.update(metadata=auth.metadata, credentials=auth.credentials)
+        workers = spawn_workers(n + spares, weights_roots=[str(r) for r in weights_roots],
+                                device=device, **kwargs)
         try:
-            cluster = cls([w.address for w in workers], **ctor)
+            cluster = cls([w.address for w in workers[:n]],
+                          spares=[w.address for w in workers[n:]], **ctor)
         except BaseException:
             stop_workers(workers)
             raise
@@ -377,20 +399,47 @@ class Cluster:
     def _ship(self, pipeline_id: str, built: Sequence[StageSpec], order: Sequence[str],
               device: str, fetch: Callable[[str], bytes], progress: Progress, *,
               model: Model | None = None) -> Pipeline:
-        """Place specs, upload what each worker lacks (digest first), load every stage."""
+        """Place specs, load every stage (see :meth:`load_stages`), start the pipeline."""
         clients = {c.address: c for c in self.clients}
-        placed = [order[k % len(order)] for k in range(len(built))]
-        specs = [spec.replace(device=device, stage_id=f"{pipeline_id}/{k}",
-                              next_hop=placed[k + 1] if k + 1 < len(built) else "")
+        placed = [clients[order[k % len(order)]] for k in range(len(built))]
+        specs = [spec.replace(device=device, stage_id=f"{pipeline_id}/{k}")
                  for k, spec in enumerate(built)]
+        specs = self.load_stages(pipeline_id, specs, placed, fetch, progress)
+        pipe = Pipeline(self, pipeline_id, specs, placed,
+                        heartbeat_timeout=self.heartbeat_timeout, model=model, fetch=fetch)
+        self._pipelines.append(pipe)
+        return pipe
+
+    def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
+                    placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
+                    progress: Progress | None = None) -> list[StageSpec]:
+        """Load stage k on ``placed[k]``, linked to the next stage's worker; all in parallel.
+
+        Digest first: an artifact is fetched and uploaded only to a worker that lacks it. When
+        one stage fails, the stages loaded by this call are unloaded again.
+
+        Returns:
+            The specs as loaded (their ``next_hop`` set).
+
+        Raises:
+            ArtifactError: the worker refused an artifact, or it is missing and ``fetch`` is
+                ``None``. Other typed errors of the workers name the worker.
+        """
+        progress = progress or _no_progress
+        specs = [spec.replace(next_hop=placed[k + 1].address if k + 1 < len(specs) else "")
+                 for k, spec in enumerate(specs)]
         done = itertools.count(1)
         total = len(specs)
         lock = threading.Lock()
 
         def ship(k: int) -> StageLoad:
-            client, digest = clients[placed[k]], specs[k].artifact_digest
+            client, digest = placed[k], specs[k].artifact_digest
             uploaded = not client.has_artifact(digest)
             if uploaded:
+                if fetch is None:
+                    raise ArtifactError(f"stage {k}: artifact {digest} is not on worker "
+                                        f"{client.address}, and this pipeline has no artifact "
+                                        f"source to upload it from (attach with a registry)")
                 client.upload_artifact(digest, fetch(digest))
             try:
                 reply = client.load_stage(specs[k], pipeline_id)
@@ -400,9 +449,10 @@ class Cluster:
                                     f"{v.jaxlib}, StableHLO {v.stablehlo}]", code=exc.code
                                     ) from None
             with lock:
-                progress(f"stage {k} loaded on {placed[k]} ({reply.weight_bytes / 1e6:.1f} MB, "
-                         f"compile {reply.compile_s:.1f}s)", next(done), total)
-            return StageLoad(k, placed[k], digest, uploaded, reply.already_loaded,
+                progress(f"stage {k} loaded on {client.address} "
+                         f"({reply.weight_bytes / 1e6:.1f} MB, compile {reply.compile_s:.1f}s)",
+                         next(done), total)
+            return StageLoad(k, client.address, digest, uploaded, reply.already_loaded,
                              reply.bind_s, reply.compile_s, reply.weight_bytes)
 
         progress("shipping stages", 0, total)
@@ -414,15 +464,40 @@ class Cluster:
             for k in range(total):
                 if errors[k] is None:
                     try:
-                        clients[placed[k]].unload_stage(specs[k].stage_id)
+                        placed[k].unload_stage(specs[k].stage_id)
                     except JaxdistError:
                         pass
             raise first
         self._loads[pipeline_id] = [f.result() for f in futures]
-        pipe = Pipeline(self, pipeline_id, specs, [clients[a] for a in placed],
-                        heartbeat_timeout=self.heartbeat_timeout, model=model)
-        self._pipelines.append(pipe)
-        return pipe
+        return specs
+
+    def answers(self, client: WorkerClient, timeout: float) -> bool:
+        """Whether a worker answers ``Info`` within ``timeout`` seconds."""
+        try:
+            client.info(timeout=timeout)
+            return True
+        except JaxdistError:
+            return False
+
+    def take_spare(self, failed: str, timeout: float = 5.0) -> WorkerClient:
+        """Put the first spare that answers in place of the worker ``failed``.
+
+        Raises:
+            TransportError: no spare left that answers.
+        """
+        with self._spare_lock:
+            tried = []
+            while self.spare_clients:
+                spare = self.spare_clients.pop(0)
+                if self.answers(spare, timeout):
+                    self.clients = [spare if c.address == failed else c for c in self.clients]
+                    return spare
+                tried.append(spare.address)
+                spare.close()
+            raise TransportError(
+                f"worker {failed} is dead and no spare worker is left to take its stages"
+                + (f" (spares {tried} did not answer)" if tried else
+                   " (give the cluster spares=[...] to fail over)"))
 
     def stage_loads(self, pipeline_id: str) -> list[StageLoad]:
         """How each stage of a pipeline this cluster deployed was loaded (upload, bind, compile).
@@ -438,7 +513,7 @@ class Cluster:
         for p in self._pipelines:
             p.close(unload=False)
         self._pipelines.clear()
-        for c in self.clients:
+        for c in self.clients + self.spare_clients:
             c.close()
         if self._local:
             stop_workers(self._local)

@@ -102,6 +102,8 @@ class RemoteStageError(JaxdistError):
         address: ``HOST:PORT`` of the worker that failed.
         remote_type: the class name of the error on the worker, e.g. ``"WeightError"``.
         remote_traceback: the worker-side traceback text (may be empty).
+        code: the worker's status for the failure when given, else that of ``remote_type``'s
+            class (``"RESOURCE_EXHAUSTED"`` for a ``LimitError``), else ``"ABORTED"``.
     """
 
     code = "ABORTED"
@@ -114,7 +116,13 @@ class RemoteStageError(JaxdistError):
         address: str = "",
         remote_type: str = "",
         remote_traceback: str = "",
+        code: str | None = None,
     ) -> None:
+        known = globals().get(remote_type)
+        if code:
+            self.code = code
+        elif isinstance(known, type) and issubclass(known, JaxdistError):
+            self.code = known.code
         self.stage = stage
         self.address = address
         self.remote_type = remote_type

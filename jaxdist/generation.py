@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxdist.errors import SpecError
+from jaxdist.errors import JaxdistError, SpecError
 
 __all__ = ["GenerationResult", "Generator", "SamplingParams", "StepPipeline", "step_buckets"]
 
@@ -47,6 +47,11 @@ class StepPipeline(Protocol):
                ) -> concurrent.futures.Future[dict[str, np.ndarray]]: ...
 
     def end_session(self, session_id: str) -> int: ...
+
+
+_Step = tuple[concurrent.futures.Future[dict[str, np.ndarray]], list[tuple["_Seq", list[int]]],
+              dict[str, np.ndarray]]
+"""A step in flight: its future, its rows, and its inputs (kept to replay it after a failover)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +155,22 @@ class Generator:
         depth: steps kept in flight at once, on disjoint sequences. With ``depth`` equal to the
             number of stages, every stage computes a different part of the batch at the same
             time (pipeline parallelism); 1 is best for a single sequence or a single process.
+        max_failovers: how many times one :meth:`run` may fail over when a worker dies (the
+            pipeline must have spare workers; see :meth:`jaxdist.pipeline.Pipeline.recover`).
+
+    Failover: when a worker of the pipeline dies, the engine asks the pipeline to move its
+    stages to a spare, then replays every step it ran so far, with the same inputs, in the same
+    order, on a new session. The replay is pipelined (the tokens are known, so nothing waits
+    for a result) and rebuilds the KV caches exactly as they were; the steps that were in
+    flight are sent again and generation goes on. The output is the output of a run with no
+    fault: each replayed step's token is checked against the one recorded, and a difference
+    (a spare on a different kind of device) is logged.
     """
 
     def __init__(self, pipeline: StepPipeline, *, input_dtypes: Mapping[str, str],
                  max_slots: int, max_seq: int, prefill_buckets: Sequence[int],
                  eos_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None,
-                 depth: int = 1) -> None:
+                 depth: int = 1, max_failovers: int = 3) -> None:
         self.pipeline = pipeline
         self.dtypes = dict(input_dtypes)
         self.max_slots = max_slots
@@ -166,13 +181,14 @@ class Generator:
         if depth < 1:
             raise SpecError(f"depth must be >= 1, got {depth}")
         self.depth = depth
+        self.max_failovers = max_failovers
         if not self.buckets:
             raise SpecError("prefill_buckets must not be empty")
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _submit(self, session: str, step: int, rows: list[tuple[_Seq, list[int]]], s: int
-                ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+    def _inputs(self, rows: list[tuple[_Seq, list[int]]], s: int) -> dict[str, np.ndarray]:
+        """The input arrays of one step."""
         b = _pow2_at_least(len(rows), self.max_slots)
         tokens = np.zeros((b, s), np.int64)
         slot = np.full((b,), self.max_slots, np.int64)  # padding rows: writes are dropped
@@ -193,8 +209,59 @@ class Generator:
         if missing:
             raise SpecError(f"the model expects step inputs {sorted(self.dtypes)}; the engine "
                             f"does not know how to fill {sorted(missing)}")
-        arrays = {k: np.asarray(inputs[k], dtype=self.dtypes[k]) for k in self.dtypes}
-        return self.pipeline.submit(arrays, session_id=session, step=step)
+        return {k: np.asarray(inputs[k], dtype=self.dtypes[k]) for k in self.dtypes}
+
+    # -- failover ---------------------------------------------------------------------------
+
+    def _fail_over(self, error: JaxdistError, history: list[tuple[dict[str, np.ndarray],
+                                                                  np.ndarray]],
+                   inflight: collections.deque[_Step], failovers: int
+                   ) -> tuple[str, Iterator[int], collections.deque[_Step]]:
+        """Recover the pipeline and replay ``history``, then resend ``inflight``.
+
+        Returns the new session, its step counter and the steps now in flight. Raises ``error``
+        (with a note) when the pipeline cannot fail over.
+        """
+        recover = getattr(self.pipeline, "recover", None)
+        if recover is None or getattr(self.pipeline, "broken", None) is None:
+            raise error  # a stage failed on its input, not a dead worker: nothing to recover
+        if failovers >= self.max_failovers:
+            error.add_note(f"gave up after {failovers} failovers (max_failovers)")
+            raise error
+        for future, _, _ in inflight:  # they fail with the same error; let them settle
+            concurrent.futures.wait([future])
+        try:
+            moved = recover()
+        except JaxdistError as exc:
+            error.add_note(f"failover to a spare worker failed: {exc}")
+            raise error from exc
+        log.warning("generation: failed over (%s); replaying %d steps",
+                    ", ".join(f"stages {list(m.stages)} {m.failed} -> {m.spare}" for m in moved)
+                    or "reloaded in place", len(history))
+        session = f"gen-{uuid.uuid4().hex[:12]}"
+        steps = itertools.count()
+        window: collections.deque[tuple[Any, np.ndarray, int]] = collections.deque()
+        mismatched = 0
+
+        def check(future: Any, expected: np.ndarray) -> int:
+            return int(not np.array_equal(np.asarray(future.result()["token"]), expected))
+
+        for i, (arrays, expected) in enumerate(history):
+            window.append((self.pipeline.submit(arrays, session_id=session, step=next(steps)),
+                           expected, i))
+            if len(window) >= 32:
+                future, expected, _ = window.popleft()
+                mismatched += check(future, expected)
+        for future, expected, _ in window:
+            mismatched += check(future, expected)
+        if mismatched:
+            log.warning("generation: %d of %d replayed steps gave other tokens than the first "
+                        "run (is the spare a different kind of device?); the recorded tokens "
+                        "are kept", mismatched, len(history))
+        resent = collections.deque(
+            (self.pipeline.submit(arrays, session_id=session, step=next(steps)), rows, arrays)
+            for _, rows, arrays in inflight)
+        return session, steps, resent
 
     # -- the engine -------------------------------------------------------------------------
 
@@ -260,8 +327,9 @@ class Generator:
         waiting = list(seqs)
         active: list[_Seq] = []
         free = list(range(self.max_slots))
-        inflight: collections.deque[tuple[Any, list[tuple[_Seq, list[int]]]]] = \
-            collections.deque()
+        inflight: collections.deque[_Step] = collections.deque()
+        history: list[tuple[dict[str, np.ndarray], np.ndarray]] = []  # for a failover replay
+        failovers = 0
         busy: set[int] = set()
         t_submit = time.perf_counter()
         try:
@@ -277,10 +345,21 @@ class Generator:
                                               len(active))
                     if not rows:
                         break
-                    inflight.append((self._submit(session, next(steps), rows, s), rows))
+                    arrays = self._inputs(rows, s)
+                    inflight.append((self.pipeline.submit(arrays, session_id=session,
+                                                          step=next(steps)), rows, arrays))
                     busy.update(q.index for q, _ in rows)
-                future, rows = inflight.popleft()
-                next_tokens = np.asarray(future.result()["token"])[:len(rows)]
+                future, rows, arrays = inflight[0]
+                try:
+                    out = np.asarray(future.result()["token"])
+                except JaxdistError as exc:
+                    session, steps, inflight = self._fail_over(exc, history, inflight,
+                                                               failovers)
+                    failovers += 1
+                    continue
+                inflight.popleft()
+                history.append((arrays, out))
+                next_tokens = out[:len(rows)]
                 now = time.perf_counter()
                 for (q, toks), tok in zip(rows, next_tokens):
                     busy.discard(q.index)
@@ -299,7 +378,7 @@ class Generator:
                     active.remove(q)
                     free.append(q.slot)
         finally:
-            for future, _ in inflight:  # after an error: let sent steps finish before ending
+            for future, _, _ in inflight:  # after an error: let sent steps finish before ending
                 try:
                     future.result()
                 except Exception:  # noqa: BLE001 - the first error is already propagating

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxdist.errors import TransportError
+from jaxdist.transport.security import server_auth
 
 __all__ = ["LocalWorker", "spawn_workers", "stop_workers"]
 
@@ -82,7 +83,9 @@ def spawn_workers(n: int, *, weights_roots: Sequence[str] = (), device: str = "c
                   artifact_cache: str | None = None, compilation_cache: str | None = None,
                   max_sessions: int = 64, pin_cpus: Sequence[int] | None = None,
                   extra_args: Sequence[str] = (), log_level: str = "WARNING",
-                  env: dict[str, str] | None = None, timeout: float = 120.0) -> list[LocalWorker]:
+                  env: dict[str, str] | None = None, timeout: float = 120.0,
+                  token_file: str | None = None, tls_cert: str | None = None,
+                  tls_key: str | None = None, tls_ca: str | None = None) -> list[LocalWorker]:
     """Start ``n`` workers in parallel and wait until each is listening.
 
     Args:
@@ -97,12 +100,19 @@ def spawn_workers(n: int, *, weights_roots: Sequence[str] = (), device: str = "c
         log_level: worker log level.
         env: extra environment variables.
         timeout: seconds to wait for each worker.
+        token_file: ``--token-file`` of every worker (calls must carry this bearer token).
+        tls_cert: ``--tls-cert`` of every worker (serve TLS with this certificate).
+        tls_key: ``--tls-key``, the key of ``tls_cert``.
+        tls_ca: ``--tls-ca`` (mutual TLS: clients must present a certificate signed by it).
 
     Raises:
         TransportError: a worker did not start; the message holds the end of its log.
+        AuthError: the token or TLS files are unusable (checked here, before any worker starts,
+            so the error is the worker's own message).
     """
     if n < 1:
         raise TransportError(f"need at least one local worker, asked for {n}")
+    server_auth(token_file=token_file, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
     logdir = tempfile.mkdtemp(prefix="jaxdist-workers-")
     cache = artifact_cache or os.path.join(logdir, "artifacts")
     full_env = dict(os.environ)
@@ -116,6 +126,10 @@ def spawn_workers(n: int, *, weights_roots: Sequence[str] = (), device: str = "c
                 args += ["--weights-root", str(root)]
             if compilation_cache is not None:
                 args += ["--compilation-cache", str(compilation_cache)]
+            for flag, path in (("--token-file", token_file), ("--tls-cert", tls_cert),
+                               ("--tls-key", tls_key), ("--tls-ca", tls_ca)):
+                if path is not None:
+                    args += [flag, os.fspath(path)]
             args += list(extra_args)
             log_path = os.path.join(logdir, f"worker-{i}.log")
             cpu = pin_cpus[i] if pin_cpus is not None else None

@@ -7,6 +7,10 @@ error in any stage comes from that stage's worker on its own subscription, with 
 the address and the remote traceback. Heartbeats on every subscription tell a frozen worker from a
 slow one, and a broken subscription names a dead worker within seconds. A :class:`Session` runs
 consecutive steps of one sequence whose state stays on the workers.
+
+When a worker dies, :meth:`Pipeline.recover` moves its stages to one of the cluster's spare
+workers and reconnects; the session state is gone, and the caller replays its steps (the
+generation engine does, see :mod:`jaxdist.generation`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +37,26 @@ from jaxdist.transport.frames import FrameAssembler, FrameHeader, split_frame
 if TYPE_CHECKING:  # only for the annotation: jaxdist.coordinator imports this module
     from jaxdist.coordinator import Cluster
 
-__all__ = ["Pipeline", "Session"]
+__all__ = ["Failover", "Pipeline", "Session"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Failover:
+    """One worker replaced by :meth:`Pipeline.recover`.
+
+    Attributes:
+        stages: the stages that moved.
+        failed: the worker that stopped answering.
+        spare: the spare worker that took its stages.
+        seconds: how long the whole recovery took (probe, reload, reconnect).
+    """
+
+    stages: tuple[int, ...]
+    failed: str
+    spare: str
+    seconds: float
 
 
 @dataclass
@@ -53,61 +74,73 @@ class Pipeline:
 
     def __init__(self, cluster: Cluster, pipeline_id: str, specs: Sequence[StageSpec],
                  clients: Sequence[WorkerClient], *, heartbeat_timeout: float = 5.0,
-                 model: Model | None = None) -> None:
+                 model: Model | None = None, fetch: Callable[[str], bytes] | None = None) -> None:
         self.cluster = cluster
         self.pipeline_id = pipeline_id
-        self.specs = list(specs)
-        self.clients = list(clients)
         self.model = model
         self.reply_to = uuid.uuid4().hex
         self.heartbeat_timeout = heartbeat_timeout
+        self.failovers: list[Failover] = []
+        self._fetch = fetch
         self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._recover_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._broken: JaxdistError | None = None
         self._closed = False
-        self._stage_of = {}
+        self._recovering = False
+        self._epoch = 0
+        self._connect(specs, clients)
+        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _connect(self, specs: Sequence[StageSpec], clients: Sequence[WorkerClient]) -> None:
+        """Open the subscriptions and the input stream to the workers holding the stages."""
+        self.specs = list(specs)
+        self.clients = list(clients)
+        self._broken: JaxdistError | None = None
+        self._stage_of: dict[str, list[int]] = {}
         for k, c in enumerate(self.clients):
             self._stage_of.setdefault(c.address, []).append(k)
         self._unique = list({c.address: c for c in self.clients}.values())
         self._last_seen = {c.address: time.monotonic() for c in self._unique}
-        self._subs = []
-        self._threads = []
+        self._subs: list[Any] = []
+        epoch = self._epoch
         # Set by a subscription's first event: the worker sends it once the subscription is
         # registered, so a result published after that has somewhere to go.
         self._subscribed = {c.address: threading.Event() for c in self._unique}
         for c in self._unique:
-            call = c.subscribe(pipeline_id, self.reply_to)
+            call = c.subscribe(self.pipeline_id, self.reply_to)
             self._subs.append(call)
-            t = threading.Thread(target=self._listen, args=(c.address, call),
-                                 name=f"sub-{c.address}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        deadline = time.monotonic() + max(heartbeat_timeout, 10.0)
+            threading.Thread(target=self._listen, args=(c.address, call, epoch),
+                             name=f"sub-{c.address}", daemon=True).start()
+        deadline = time.monotonic() + max(self.heartbeat_timeout, 10.0)
         for address, subscribed in self._subscribed.items():
             if not subscribed.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("worker %s has not confirmed the result subscription of pipeline "
-                            "%s; the heartbeat watchdog takes over", address, pipeline_id)
-        self._sender = self.clients[0].sender(on_error=lambda e: self._fail_worker(
-            self.clients[0].address, str(e)))
-        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
-        self._watchdog.start()
+                            "%s; the heartbeat watchdog takes over", address, self.pipeline_id)
+        first = self.clients[0].address
+        self._sender = self.clients[0].sender(
+            on_error=lambda e: self._fail_worker(first, str(e), epoch))
 
     # -- receiving --------------------------------------------------------------------------
 
-    def _listen(self, address: str, call: Any) -> None:
+    def _listen(self, address: str, call: Any, epoch: int) -> None:
+        subscribed = self._subscribed[address]
         try:
-            self._receive(address, call)
-        finally:  # a subscription that failed at once must not hold up __init__
-            self._subscribed[address].set()
+            self._receive(address, call, epoch, subscribed)
+        finally:  # a subscription that failed at once must not hold up _connect
+            subscribed.set()
 
-    def _receive(self, address: str, call: Any) -> None:
+    def _receive(self, address: str, call: Any, epoch: int, subscribed: threading.Event
+                 ) -> None:
         asm = FrameAssembler()
         try:
             for view in call:  # frames.EventView (see jaxdist.transport.wire)
+                if epoch != self._epoch:
+                    return  # a failover replaced this subscription
                 self._last_seen[address] = time.monotonic()
-                self._subscribed[address].set()
+                subscribed.set()
                 if view.result is not None:
                     done = asm.add(view.result)
                     if done is not None:
@@ -119,17 +152,14 @@ class Pipeline:
                     e = event.error
                     self._reject(event.request_id, RemoteStageError(
                         e.message, stage=e.stage, address=e.address or address,
-                        remote_type=e.type, remote_traceback=e.traceback))
+                        remote_type=e.type, remote_traceback=e.traceback, code=e.code or None))
         except grpc.RpcError as exc:
-            if self._closed:
-                return
-            self._fail_worker(address, f"{exc.code().name}: {exc.details()}")
+            self._fail_worker(address, f"{exc.code().name}: {exc.details()}", epoch)
             return
         except JaxdistError as exc:  # a malformed result frame
-            self._fail_worker(address, f"sent a malformed result: {exc}")
+            self._fail_worker(address, f"sent a malformed result: {exc}", epoch)
             return
-        if not self._closed:
-            self._fail_worker(address, "closed its event stream")
+        self._fail_worker(address, "closed its event stream", epoch)
 
     def _resolve(self, request_id: int, tensors: dict[str, np.ndarray]) -> None:
         with self._lock:
@@ -145,7 +175,9 @@ class Pipeline:
         else:
             log.warning("error for unknown request %d: %s", request_id, error)
 
-    def _fail_worker(self, address: str, reason: str) -> None:
+    def _fail_worker(self, address: str, reason: str, epoch: int | None = None) -> None:
+        if self._closed or (epoch is not None and epoch != self._epoch):
+            return  # closing, or a stream a failover has replaced
         stages = self._stage_of.get(address, [])
         stage = stages[0] if stages else -1
         error = RemoteStageError(f"worker died or became unreachable: {reason}",
@@ -163,10 +195,91 @@ class Pipeline:
         while not self._closed:
             time.sleep(0.25)
             now = time.monotonic()
+            if self._recovering:
+                continue  # recover() replaces the streams and their clocks
+            epoch = self._epoch
             for address, seen in list(self._last_seen.items()):
                 if now - seen > self.heartbeat_timeout and self._broken is None:
                     self._fail_worker(address, f"no heartbeat for {now - seen:.1f}s (frozen, "
-                                               f"overloaded or partitioned)")
+                                               f"overloaded or partitioned)", epoch)
+
+    # -- failover ---------------------------------------------------------------------------
+
+    def recover(self) -> list[Failover]:
+        """Replace the pipeline's dead workers with the cluster's spares and load it again.
+
+        Every worker of the pipeline is probed with ``Info`` (deadline: the heartbeat timeout,
+        at most 5 s). The stages of each worker that does not answer move to a spare worker
+        (:class:`~jaxdist.coordinator.Cluster` ``spares=``); the artifact is uploaded there when
+        the spare lacks it. The stages on the workers that answered are loaded again too: the
+        next hop of the stage before a moved one changes, and their session state is lost with
+        the rest of the pipeline's anyway. With a warm worker that is a bind and a
+        compilation-cache hit per stage. When every worker answers (a dropped connection, not a
+        dead worker), the stages are reloaded where they are.
+
+        Session state (KV caches) does not survive a failover: the caller replays its steps on
+        a new session. :class:`~jaxdist.generation.Generator` does that by itself.
+
+        Steps still in flight fail with the error that broke the pipeline. Do not submit while
+        this runs: :meth:`submit` refuses until it returns.
+
+        Returns:
+            One :class:`Failover` per replaced worker (empty when none was dead).
+
+        Raises:
+            TransportError: a dead worker and no spare left that answers.
+            JaxdistError: a stage failed to load on its new worker (the pipeline stays broken).
+        """
+        with self._recover_lock:
+            if self._closed:
+                raise TransportError(f"pipeline {self.pipeline_id} is closed")
+            if len(self.specs) != len(self.clients):
+                raise TransportError(f"pipeline {self.pipeline_id} was attached without its "
+                                     f"manifest, so its stage specs are unknown here and it "
+                                     f"cannot fail over (Cluster.attach(..., manifest=...))")
+            t0 = time.monotonic()
+            cause = self._broken or TransportError(
+                f"pipeline {self.pipeline_id} is failing over; the step was lost")
+            self._recovering = True
+            self._epoch += 1  # the old streams' errors are no longer news
+            try:
+                self._sender.close(cancel=True)
+                for call in self._subs:
+                    call.cancel()
+                with self._lock:
+                    pending = list(self._pending.values())
+                    self._pending.clear()
+                for p in pending:
+                    if not p.future.done():
+                        p.future.set_exception(cause)
+                probe = min(self.heartbeat_timeout, 5.0)
+                dead = [c.address for c in self._unique if not self.cluster.answers(c, probe)]
+                moved = {a: self.cluster.take_spare(a, probe) for a in dead}
+                clients = [moved.get(c.address, c) for c in self.clients]
+                for c in self._unique:
+                    if c.address not in moved:
+                        try:
+                            c.unload_stage(self.pipeline_id)
+                        except JaxdistError as exc:
+                            log.warning("failover: could not unload %s from %s: %s",
+                                        self.pipeline_id, c.address, exc)
+                specs = self.cluster.load_stages(self.pipeline_id, self.specs, clients,
+                                                 self._fetch)
+                self._connect(specs, clients)
+            except BaseException as exc:
+                self._broken = exc if isinstance(exc, JaxdistError) else cause
+                raise
+            finally:
+                self._recovering = False
+            seconds = time.monotonic() - t0
+            done = [Failover(tuple(k for k, c in enumerate(self.clients)
+                                   if c.address == spare.address), a, spare.address, seconds)
+                    for a, spare in moved.items()]
+            for f in done:
+                log.warning("pipeline %s: stages %s moved from %s to spare %s in %.1fs",
+                            self.pipeline_id, list(f.stages), f.failed, f.spare, seconds)
+            self.failovers.extend(done)
+            return done
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -179,6 +292,9 @@ class Pipeline:
         """
         if self._closed:
             raise TransportError(f"pipeline {self.pipeline_id} is closed")
+        if self._recovering:
+            raise TransportError(f"pipeline {self.pipeline_id} is failing over to a spare "
+                                 f"worker; submit again once recover() has returned")
         if self._broken is not None:
             raise self._broken
         future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()

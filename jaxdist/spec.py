@@ -16,6 +16,8 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 
+from google.protobuf.message import DecodeError
+
 from jaxdist import codec
 from jaxdist.devices import parse_directive
 from jaxdist.errors import CodecError, DeviceError, SpecError, WeightError
@@ -30,6 +32,7 @@ __all__ = [
     "TensorSig",
     "Versions",
     "WeightRef",
+    "parse_dim",
     "validate",
 ]
 
@@ -44,10 +47,31 @@ __all__ = [
 SPEC_VERSION = "1.0"
 SUPPORTED_SPEC_MAJORS = (1,)
 
-_SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_SHA = re.compile(r"^[0-9a-f]{64}$")
+# Matched with fullmatch: "$" would also accept a trailing newline. ASCII only: str.isdigit()
+# and "\d" accept other scripts' digits ("²", "٣"), which int() refuses or reads differently.
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_HOSTPORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):([0-9]{1,5})", re.ASCII)
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
+_SHA = re.compile(r"[0-9a-f]{64}", re.ASCII)
+# A constant dim: at most 18 digits, so it fits an int64 (and stays far below int()'s limit of
+# 4300 digits). A spec major version: at most 9.
+_INT_DIM = re.compile(r"-?[0-9]{1,18}", re.ASCII)
+_MAJOR = re.compile(r"[0-9]{1,9}", re.ASCII)
+
+
+def parse_dim(text: str) -> int | str:
+    """A dim as written in text (a ``TensorSig`` on the wire, an artifact's metadata).
+
+    Returns:
+        an ``int`` for an ASCII decimal integer of at most 18 digits with an optional ``-``
+        (``"32"``, ``"-4"``); anything else unchanged, as a symbol (``"b"``), which
+        :func:`validate` refuses unless it is a symbol name.
+
+    Example:
+        >>> parse_dim("32"), parse_dim("b"), parse_dim("²")
+        (32, 'b', '²')
+    """
+    return int(text) if _INT_DIM.fullmatch(text) else text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +87,7 @@ class TensorSig:
 
     @classmethod
     def from_proto(cls, msg: pb.TensorSig) -> TensorSig:
-        return cls(msg.name, msg.dtype, tuple(int(d) if d.lstrip("-").isdigit() else d
-                                              for d in msg.dims))
+        return cls(msg.name, msg.dtype, tuple(parse_dim(d) for d in msg.dims))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +257,7 @@ class StageSpec:
         msg = pb.StageSpec()
         try:
             msg.ParseFromString(data)
-        except Exception as exc:  # protobuf's DecodeError and friends on garbage
+        except DecodeError as exc:
             raise SpecError(f"malformed StageSpec bytes ({len(data)} bytes): {exc}") from None
         spec = cls.from_proto(msg)
         validate(spec)
@@ -243,6 +266,13 @@ class StageSpec:
 
 def _fail(field: str, problem: str) -> SpecError:
     return SpecError(f"StageSpec.{field}: {problem}")
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """``repr(text)``, shortened when long (a hostile field may hold megabytes)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _check_dtype(field: str, dtype: str) -> None:
@@ -272,16 +302,17 @@ def validate(spec: StageSpec) -> None:
         SpecError: naming the first offending field, what was expected and what was found.
     """
     major = spec.spec_version.split(".", 1)[0]
-    if not major.isdigit() or int(major) not in SUPPORTED_SPEC_MAJORS:
-        raise _fail("spec_version", f"unsupported version {spec.spec_version!r}; this jaxdist "
-                                    f"reads major versions {SUPPORTED_SPEC_MAJORS} (is {SPEC_VERSION})")
-    if not _DIGEST.match(spec.artifact_digest):
+    if not _MAJOR.fullmatch(major) or int(major) not in SUPPORTED_SPEC_MAJORS:
+        raise _fail("spec_version", f"unsupported version {_clip(spec.spec_version)}; this "
+                                    f"jaxdist reads major versions {SUPPORTED_SPEC_MAJORS} "
+                                    f"(is {SPEC_VERSION})")
+    if not _DIGEST.fullmatch(spec.artifact_digest):
         raise _fail("artifact_digest", f"expected 'sha256:' and 64 lowercase hex digits, found "
                                        f"{spec.artifact_digest!r}")
     if spec.num_stages < 1 or not 0 <= spec.stage_index < spec.num_stages:
         raise _fail("stage_index", f"expected 0 <= stage_index < num_stages, found "
                                    f"stage_index={spec.stage_index}, num_stages={spec.num_stages}")
-    if spec.next_hop and not _HOSTPORT.match(spec.next_hop):
+    if spec.next_hop and not _HOSTPORT.fullmatch(spec.next_hop):
         raise _fail("next_hop", f"expected HOST:PORT, found {spec.next_hop!r}")
     if spec.next_hop and spec.stage_index == spec.num_stages - 1:
         raise _fail("next_hop", "the last stage returns to the coordinator; next_hop must be empty")
@@ -300,9 +331,10 @@ def validate(spec: StageSpec) -> None:
                 if isinstance(d, int):
                     if d < 0:
                         raise _fail(f"{field}[{i}].dims[{j}]", f"negative size {d}")
-                elif not _SYMBOL.match(d):
+                elif not _SYMBOL.fullmatch(d):
                     raise _fail(f"{field}[{i}].dims[{j}]",
-                                f"expected an integer or a symbol name, found {d!r}")
+                                f"expected an integer or a symbol name, found {_clip(d)} (an "
+                                f"integer is an optional '-' and 1 to 18 ASCII digits)")
                 elif field == "inputs":
                     symbols.add(d)
     _check_names("state", [s.name for s in spec.state])
@@ -319,7 +351,7 @@ def validate(spec: StageSpec) -> None:
         _check_dtype(f"weights[{i}].dtype", w.dtype)
         if any(d < 0 for d in w.shape):
             raise _fail(f"weights[{i}].shape", f"expected non-negative sizes, found {w.shape}")
-        if w.sha256 is not None and not _SHA.match(w.sha256):
+        if w.sha256 is not None and not _SHA.fullmatch(w.sha256):
             raise _fail(f"weights[{i}].sha256", f"expected 64 lowercase hex digits, found {w.sha256!r}")
         if w.packed and (w.dtype != "uint8" or not w.quant):
             raise _fail(f"weights[{i}]", f"a packed weight ({w.param!r}) needs dtype 'uint8' and a "

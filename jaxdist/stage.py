@@ -5,10 +5,12 @@ This is everything a worker does for a stage, in one process and without any net
 1. load the artifact (digest, platform and custom-call checks live in ``artifacts.py``);
 2. check the spec against the artifact's own signature, so a wrong spec fails at load, not at
    the first step;
-3. bind each weight through the :class:`~jaxdist.weights.WeightCache` (shape, dtype, sha256 and
-   layout are settled once, here) and put it on the directed device;
-4. compile ``jax.jit(exported.call)`` with the state arguments donated, ahead of time for every
-   shape bucket in the spec (the persistent compilation cache makes a restart cheap);
+3. compile ``jax.jit(exported.call)`` with the state arguments donated, ahead of time for every
+   shape bucket in the spec (the persistent compilation cache makes a restart cheap), from the
+   weights' shapes, and give the compiler's free heap back (``jaxdist.heap``);
+4. bind each weight through the :class:`~jaxdist.weights.WeightCache` (shape, dtype, sha256 and
+   layout are settled once, here) and put it on the directed device, where XLA:CPU takes the
+   host array as its buffer (no second copy);
 5. run: inputs in, outputs and the new state out. The state stays on the device; the caller
    keeps it between steps and passes it back, and donation lets XLA update it in place.
 
@@ -33,6 +35,7 @@ from jaxdist import codec
 from jaxdist.artifacts import DEFAULT_CUSTOM_CALL_ALLOWLIST, load_artifact
 from jaxdist.devices import device_platform, resolve_device
 from jaxdist.errors import SpecError
+from jaxdist.heap import release_free_heap
 from jaxdist.spec import ShapeBucket, StageSpec, TensorSig, validate
 from jaxdist.weights import WeightCache
 
@@ -74,6 +77,7 @@ class WorkerStage:
         self._lock = threading.Lock()
         self.compile_seconds = 0.0
         self.bind_seconds = 0.0
+        self._bound = len(params) == n_w
 
     # ------------------------------------------------------------------------------------------
     # Construction
@@ -89,7 +93,12 @@ class WorkerStage:
         devices: Sequence[Any] | None = None,
         compile_buckets: bool = True,
     ) -> WorkerStage:
-        """Check, bind and compile a stage.
+        """Check, compile and bind a stage: :meth:`prepare`, :meth:`compile` every bucket, then
+        :meth:`bind`.
+
+        Compiling comes first, from the spec's weight shapes (the signature check made them the
+        artifact's): each compile gives the compiler's free heap back (``jaxdist.heap``) before
+        the weights arrive, so the peak memory is the larger of the two, not their sum.
 
         Args:
             spec: the stage spec; validated here.
@@ -105,28 +114,60 @@ class WorkerStage:
             DeviceError: the device directive cannot be honoured here.
             WeightError: a weight cannot be resolved or does not match its WeightRef.
         """
+        stage = cls.prepare(spec, artifact=artifact, allowed_custom_calls=allowed_custom_calls,
+                            devices=devices)
+        if compile_buckets:
+            for bucket in spec.buckets:
+                stage.compile(bucket)
+        stage.bind(cache)
+        return stage
+
+    @classmethod
+    def prepare(
+        cls,
+        spec: StageSpec,
+        *,
+        artifact: bytes,
+        allowed_custom_calls: Collection[str] = DEFAULT_CUSTOM_CALL_ALLOWLIST,
+        devices: Sequence[Any] | None = None,
+    ) -> WorkerStage:
+        """Check a spec and its artifact and resolve the device; no weights yet. The stage can
+        :meth:`compile`; it runs once :meth:`bind` has bound its weights. Raises as
+        :meth:`load`, except ``WeightError``."""
         validate(spec)
         device = resolve_device(spec.device, devices)
         exported = load_artifact(artifact, expected_digest=spec.artifact_digest,
                                  platform=device_platform(device),
                                  allowed_custom_calls=allowed_custom_calls)
         cls._check_signature(spec, exported)
+        return cls(spec, exported, device, [])
+
+    def bind(self, cache: WeightCache) -> None:
+        """Bind the spec's weights through ``cache`` and put them on the device (once).
+
+        Raises:
+            WeightError: a weight cannot be resolved or does not match its WeightRef.
+        """
+        if self._bound:
+            return
         t0 = time.perf_counter()
         params = []
-        for ref in spec.weights:
+        for ref in self.spec.weights:
             host = cache.load(ref.uri, param=ref.param, shape=ref.shape, dtype=ref.dtype,
                               sha256=ref.sha256, packed=ref.packed, transpose=ref.transpose,
                               quant=ref.quant)
-            params.append(jax.device_put(host, device))
-        stage = cls(spec, exported, device, params)
-        stage.bind_seconds = time.perf_counter() - t0
+            # ``host`` is new, aligned and ours: XLA:CPU takes it as the buffer (no second
+            # copy); other platforms copy it to the device, and it is freed here.
+            params.append(jax.device_put(host, self.device, may_alias=True))
+            del host
+        jax.block_until_ready(params)
+        self._params = params
+        self._bound = True
+        release_free_heap()  # the conversions' temporaries
+        self.bind_seconds = time.perf_counter() - t0
         log.info("stage %d/%d (%s): bound %d weights (%.1f MB) on %s in %.2fs",
-                 spec.stage_index, spec.num_stages, spec.artifact_digest[:19], len(params),
-                 spec.weight_bytes / 1e6, device, stage.bind_seconds)
-        if compile_buckets:
-            for bucket in spec.buckets:
-                stage.compile(bucket)
-        return stage
+                 self.spec.stage_index, self.spec.num_stages, self.spec.artifact_digest[:19],
+                 len(params), self.spec.weight_bytes / 1e6, self.device, self.bind_seconds)
 
     @staticmethod
     def _check_signature(spec: StageSpec, exported: jax.export.Exported) -> None:
@@ -164,7 +205,8 @@ class WorkerStage:
 
     def _arg_specs(self, input_shapes: Sequence[tuple[int, ...]]) -> list[jax.ShapeDtypeStruct]:
         sh = self._sharding
-        specs = [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sh) for p in self._params]
+        specs = [jax.ShapeDtypeStruct(tuple(w.shape), codec.dtype_from_name(w.dtype), sharding=sh)
+                 for w in self.spec.weights]
         specs += [jax.ShapeDtypeStruct(s.shape, codec.dtype_from_name(s.dtype), sharding=sh)
                   for s in self.spec.state]
         specs += [jax.ShapeDtypeStruct(shape, dt, sharding=sh)
@@ -197,6 +239,7 @@ class WorkerStage:
             self._compiled[shapes] = self._jitted.lower(*self._arg_specs(shapes)).compile()
             took = time.perf_counter() - t0
             self.compile_seconds += took
+        release_free_heap()  # the compiler's transient heap, hundreds of MB for a large stage
         log.info("stage %d: compiled input shapes %s in %.2fs", self.spec.stage_index, shapes, took)
         return took
 
@@ -262,6 +305,9 @@ class WorkerStage:
         Raises:
             SpecError: the inputs do not match the spec.
         """
+        if not self._bound:
+            raise SpecError(f"stage {self.spec.stage_index}: its weights are not bound; call "
+                            f"bind(cache) before run (WorkerStage.load does both)")
         if shapes is None:
             shapes = self.check_inputs(inputs)
         if shapes not in self._compiled:

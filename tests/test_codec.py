@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from jaxdist import codec
-from jaxdist.errors import CodecError, JaxdistError
+from jaxdist.errors import CodecError, JaxdistError, LimitError
 from jaxdist.proto import jaxdist_pb2 as pb
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.float64, np.int8, np.int16, np.int32,
@@ -128,10 +128,10 @@ def test_error_chunk_overrun():
 
 def test_error_limits():
     msgs = codec.encode("x", np.zeros(100, np.float32))
-    with pytest.raises(CodecError, match="400 bytes, over the limit of 100"):
+    with pytest.raises(LimitError, match="400 bytes, over the limit of 100"):
         codec.decode_tensors(msgs, max_bytes=100)
     two = codec.encode("a", np.zeros(1)) + codec.encode("b", np.zeros(1))
-    with pytest.raises(CodecError, match="more than 1 tensors in one frame"):
+    with pytest.raises(LimitError, match="more than 1 tensors in one frame"):
         codec.decode_tensors(two, max_tensors=1)
 
 

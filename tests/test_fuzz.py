@@ -5,7 +5,9 @@ Decoders under test, and the one error type each documents:
 * the frame path: ``pb.Frame.FromString`` then ``frames.FrameAssembler`` (what the coordinator
   does with ``pb.Frame`` objects), the data plane's own deserializers ``frames.parse_frame`` /
   ``frames.parse_event`` (both paths: protobuf below ``SCAN_MIN_BYTES``, the wire scan above it),
-  ``codec.parse_tensor``, ``protowire.fields`` and ``codec.TensorAssembler`` -> ``CodecError``;
+  ``codec.parse_tensor``, ``protowire.fields`` and ``codec.TensorAssembler`` -> ``CodecError``,
+  or ``LimitError`` from an assembler for a tensor over its limits (the worker's, or the
+  defaults the coordinator's assembler has);
 * the tensor codec, ``codec.from_bytes`` -> ``CodecError``;
 * the spec decoder, ``StageSpec.deserialize`` -> ``SpecError``;
 * the artifact loader, ``vetting.load_artifact`` with ``expected_digest`` = the digest of the
@@ -30,11 +32,12 @@ module's length prefix, platform and name strings, shardings, avals) and truncat
 runs in a child process, so a native abort fails this test with the offending input instead of
 killing the whole pytest run.
 
-**Known bugs.** Each bug the fuzzers found has its own ``test_error_<case>`` regression test below,
-marked ``xfail(strict=True)`` with the bug in the reason. While it is open, the fuzzers tolerate
-exactly that signature (exception type and message, :data:`KNOWN_BUGS`) so they keep checking
-everything else. When a bug is fixed, its regression test passes, strict xfail turns that into a
-failure, and whoever fixed it deletes the mark and the :data:`KNOWN_BUGS` entry.
+**Known bugs.** Each bug the fuzzers found has its own ``test_error_<case>`` regression test below.
+While a bug is open, its test is marked ``xfail(strict=True)`` with the bug in the reason, and the
+fuzzers tolerate exactly its signature (exception type and message, :data:`KNOWN_BUGS`) so they
+keep checking everything else. When a bug is fixed, its regression test passes, strict xfail
+turns that into a failure, and whoever fixed it deletes the mark and the :data:`KNOWN_BUGS`
+entry. None is open now.
 
 **Budget.** The default run is derandomized (the same inputs every time) and does 11,000
 inputs across the decoders in about 30 s of CPU. A long run scales every fuzzer and draws new
@@ -75,7 +78,14 @@ from jaxdist.worker.servicer import WorkerConfig
 from safetensors.numpy import save_file
 
 from jaxdist import codec, protowire
-from jaxdist.errors import ArtifactError, CodecError, JaxdistError, SpecError, WeightError
+from jaxdist.errors import (
+    ArtifactError,
+    CodecError,
+    JaxdistError,
+    LimitError,
+    SpecError,
+    WeightError,
+)
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.spec import StageSpec
 from jaxdist.transport import frames
@@ -165,36 +175,17 @@ def run_fuzzer(name: str, fuzz: Callable[[], None]) -> None:
 # Known bugs: tolerated by the fuzzers while open; each has an xfail(strict) regression test.
 
 KNOWN_BUGS: dict[str, tuple[tuple[type[BaseException], ...], str]] = {
-    # spec.py TensorSig.from_proto / validate(): str.isdigit() accepts Unicode digits ("²") and
-    # "--5" after lstrip("-"), and int() of 4301+ digits is refused: ValueError, not SpecError.
-    "spec_int_parse": ((ValueError,),
-                       r"invalid literal for int\(\)|Exceeds the limit \(\d+ digits\)"),
-    # codec._check/decode/TensorAssembler: rank > 64, or a zero-size shape whose other dims
-    # exceed numpy's largest array: numpy's ValueError escapes instead of CodecError.
-    "codec_numpy_shape": ((ValueError,), (r"maximum supported dimension|array is too big|"
-                                          r"cannot reshape array of size 0 into shape")),
-    # codec.TensorAssembler without max_bytes (the coordinator's Pipeline._listen uses
-    # FrameAssembler() with no limits): the buffer of a declared multi-TiB tensor is allocated.
-    "codec_unbounded_alloc": ((MemoryError, ValueError),
-                              (r"Unable to allocate|Maximum allowed dimension exceeded|"
-                               r"array is too big")),
-    # frames.parse_frame/parse_event: protobuf's DecodeError escapes instead of CodecError.
-    "frames_decode_error": ((DecodeError,), r"Error parsing message"),
-    # weights/safetensors.py: JSON numbers like 1e999 (inf) in shape/data_offsets raise
-    # OverflowError from int(); a deeply nested header raises RecursionError from json.loads.
-    "safetensors_json": ((OverflowError, RecursionError),
-                         r"cannot convert float infinity to integer|maximum recursion depth"),
-    # weights/safetensors.py keeps a non-object "__metadata__"; WeightCache.metadata() then
-    # fails in dict.update with TypeError/ValueError (DescribeWeights answers INTERNAL).
-    "safetensors_metadata": ((TypeError, ValueError),
-                             r"dictionary update sequence|cannot convert dictionary update"),
+    # None open. An entry: "name": ((exception types,), r"message regex"), with a comment on
+    # the bug; the fuzzers that meet it pass its name to outcome().
 }
 KNOWN_HITS: dict[str, int] = {}
 
 
-def outcome(fn: Callable[[], Any], expected: type[JaxdistError], *known: str) -> tuple[Any, Any]:
-    """Run one decoder call: ``(value, None)``, or ``(None, error)`` for the documented error
-    type or a tolerated known bug. Anything else fails the example with the exception chained."""
+def outcome(fn: Callable[[], Any],
+            expected: type[JaxdistError] | tuple[type[JaxdistError], ...],
+            *known: str) -> tuple[Any, Any]:
+    """Run one decoder call: ``(value, None)``, or ``(None, error)`` for a documented error type
+    or a tolerated known bug. Anything else fails the example with the exception chained."""
     try:
         return fn(), None
     except expected as exc:
@@ -207,7 +198,9 @@ def outcome(fn: Callable[[], Any], expected: type[JaxdistError], *known: str) ->
             if isinstance(exc, types) and re.search(pattern, str(exc)):
                 KNOWN_HITS[key] = KNOWN_HITS.get(key, 0) + 1
                 return None, exc
-        raise AssertionError(f"expected {expected.__name__} or a value, got "
+        names = " or ".join(t.__name__ for t in (
+            expected if isinstance(expected, tuple) else (expected,)))
+        raise AssertionError(f"expected {names} or a value, got "
                              f"{type(exc).__module__}.{type(exc).__name__}: {exc}") from exc
 
 
@@ -367,7 +360,7 @@ def test_fuzz_protowire_fields() -> None:
 def _fuzz_codec_from_bytes(data: bytes) -> None:
     count("from_bytes")
     with deadline():
-        value, err = outcome(lambda: codec.from_bytes(data), CodecError, "codec_numpy_shape")
+        value, err = outcome(lambda: codec.from_bytes(data), CodecError)
         chunk, err2 = outcome(lambda: codec.parse_tensor(memoryview(data), 0, len(data)),
                               CodecError)
     if err is None:
@@ -412,10 +405,10 @@ def frame_streams(draw: st.DrawFn, hostile_tensor: bool = False) -> list[bytes]:
     return msgs
 
 
-def _assemble(views: list[Any], asm: frames.FrameAssembler, *known: str) -> None:
+def _assemble(views: list[Any], asm: frames.FrameAssembler) -> None:
     """Feed views to an assembler the way Push does: errors reset it and the stream goes on."""
     for view in views:
-        result, err = outcome(lambda view=view: asm.add(view), CodecError, *known)
+        result, err = outcome(lambda view=view: asm.add(view), (CodecError, LimitError))
         if err is not None:
             asm.reset()
         elif result is not None:
@@ -438,7 +431,7 @@ def _fuzz_pb_frame_and_assembler(msgs: list[bytes]) -> None:
                 parsed.append(pb.Frame.FromString(data))
             except DecodeError:
                 break
-        _assemble(parsed, frames.FrameAssembler(**_worker_limits()), "codec_numpy_shape")
+        _assemble(parsed, frames.FrameAssembler(**_worker_limits()))
 
 
 @timeout_for("pb_frame")
@@ -449,7 +442,7 @@ def test_fuzz_pb_frame_and_assembler() -> None:
 def _parse_views(msgs: list[bytes], parse: Callable[[bytes], Any]) -> list[Any]:
     views = []
     for data in msgs:
-        view, err = outcome(lambda data=data: parse(data), CodecError, "frames_decode_error")
+        view, err = outcome(lambda data=data: parse(data), CodecError)
         if err is not None:
             break  # gRPC ends the stream when the request deserializer raises
         views.append(view)
@@ -464,7 +457,7 @@ def _fuzz_parse_frame_and_assembler(msgs: list[bytes]) -> None:
     count("parse_frame")
     with deadline():
         views = _parse_views(msgs, frames.parse_frame)
-        _assemble(views, frames.FrameAssembler(**_worker_limits()), "codec_numpy_shape")
+        _assemble(views, frames.FrameAssembler(**_worker_limits()))
 
 
 @timeout_for("parse_frame")
@@ -480,7 +473,7 @@ def _fuzz_parse_frame_scan_path(msgs: list[bytes], pad_first: bool) -> None:
     padded = [SCAN_PAD + m if pad_first else m + SCAN_PAD for m in msgs]
     with deadline():
         views = _parse_views(padded, frames.parse_frame)
-        _assemble(views, frames.FrameAssembler(**_worker_limits()), "codec_numpy_shape")
+        _assemble(views, frames.FrameAssembler(**_worker_limits()))
 
 
 @timeout_for("scan_frame")
@@ -495,10 +488,9 @@ def _fuzz_parse_event(data: bytes, pad: bool) -> None:
     count("parse_event")
     data = data + SCAN_PAD if pad else data
     with deadline():
-        view, err = outcome(lambda: frames.parse_event(data), CodecError, "frames_decode_error")
+        view, err = outcome(lambda: frames.parse_event(data), CodecError)
         if err is None and view.result is not None:
-            _assemble([view.result], frames.FrameAssembler(**_worker_limits()),
-                      "codec_numpy_shape")
+            _assemble([view.result], frames.FrameAssembler(**_worker_limits()))
 
 
 @timeout_for("parse_event")
@@ -508,17 +500,18 @@ def test_fuzz_parse_event() -> None:
 
 @fuzz_settings("coordinator_assembler")
 @given(msgs=frame_streams(hostile_tensor=True))
-def _fuzz_coordinator_assembler_without_limits(msgs: list[bytes]) -> None:
-    """``Pipeline._listen`` assembles results with ``FrameAssembler()``: no size limits."""
+def _fuzz_coordinator_assembler(msgs: list[bytes]) -> None:
+    """The coordinator (``Pipeline._receive``) assembles results with ``FrameAssembler()``: the
+    default limits. Every stream here carries a tensor with hostile header values."""
     count("coordinator_assembler")
     with deadline():
         views = _parse_views(msgs, frames.parse_frame)
-        _assemble(views, frames.FrameAssembler(), "codec_numpy_shape", "codec_unbounded_alloc")
+        _assemble(views, frames.FrameAssembler())
 
 
 @timeout_for("coordinator_assembler")
-def test_fuzz_coordinator_assembler_without_limits() -> None:
-    run_fuzzer("coordinator_assembler", _fuzz_coordinator_assembler_without_limits)
+def test_fuzz_coordinator_assembler_default_limits() -> None:
+    run_fuzzer("coordinator_assembler", _fuzz_coordinator_assembler)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,7 +549,7 @@ SPEC_SEEDS = _seed_specs()
 
 
 def _check_spec(data: bytes) -> None:
-    spec, err = outcome(lambda: StageSpec.deserialize(data), SpecError, "spec_int_parse")
+    spec, err = outcome(lambda: StageSpec.deserialize(data), SpecError)
     if err is None:  # a spec that validates survives a round trip unchanged
         assert StageSpec.deserialize(spec.serialize()) == spec
 
@@ -855,7 +848,7 @@ def _fuzz_safetensors_reader(data: bytes) -> None:
     path = FILES.write(".safetensors", data)
     try:
         with deadline():
-            reader, err = outcome(lambda: SafetensorsFile(path), WeightError, "safetensors_json")
+            reader, err = outcome(lambda: SafetensorsFile(path), WeightError)
             if err is None:
                 for name in reader.names():
                     info = reader.info(name)
@@ -864,9 +857,8 @@ def _fuzz_safetensors_reader(data: bytes) -> None:
                         assert arr.shape == info.shape and arr.nbytes == info.nbytes
                 reader.close()
             with WeightCache([FILES.dir]) as cache:
-                outcome(lambda: cache.describe(path.name), WeightError, "safetensors_json")
-                outcome(lambda: cache.metadata(path.name), WeightError, "safetensors_json",
-                        "safetensors_metadata")
+                outcome(lambda: cache.describe(path.name), WeightError)
+                outcome(lambda: cache.metadata(path.name), WeightError)
     finally:
         path.unlink()
 
@@ -885,7 +877,7 @@ def _fuzz_safetensors_index(doc: Any, raw: bytes | None) -> None:
     path = FILES.write(".json", data)
     try:
         with deadline():
-            index, err = outcome(lambda: read_index(path), WeightError, "safetensors_json")
+            index, err = outcome(lambda: read_index(path), WeightError)
         if err is None:
             assert all(isinstance(k, str) and isinstance(v, str) for k, v in index.items())
     finally:
@@ -898,101 +890,212 @@ def test_fuzz_safetensors_index() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Regression tests of the bugs the fuzzers found (xfail until fixed; see KNOWN_BUGS)
+# Regression tests of the bugs the fuzzers found (xfail while open; see KNOWN_BUGS)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "spec.py TensorSig.from_proto: `d.lstrip('-').isdigit()` is true for Unicode digits ('²') "
-    "and for '--5', then int(d) raises ValueError; StageSpec.deserialize (and LoadStage, which "
-    "answers INTERNAL) must raise SpecError. Fix: parse dims with re.fullmatch(r'-?[0-9]+', d, "
-    "re.ASCII) (and at most 18 digits), keep anything else a symbol for validate() to refuse"))
-@pytest.mark.parametrize("dim", ["²", "--5", "1" * 5000], ids=["superscript", "double-minus",
-                                                              "5000-digits"])
+@pytest.mark.parametrize("dim", ["²", "--5", "1" * 5000, "1" * 19, "b\n"],
+                         ids=["superscript", "double-minus", "5000-digits", "19-digits",
+                              "trailing-newline"])
 def test_error_spec_dim_not_ascii_integer(dim: str) -> None:
+    """Fixed: ``str.isdigit()`` took '²' and '--5' (then int() raised ValueError), and int()
+    refuses 4301+ digits. A dim is an int only for 1 to 18 ASCII digits."""
     msg = pb.StageSpec.FromString(SPEC_SEEDS[0])
     msg.outputs[0].dims[1] = dim
-    with pytest.raises(SpecError, match=r"StageSpec\.outputs\[0\]\.dims\[1\]"):
+    with pytest.raises(SpecError, match=r"^StageSpec\.outputs\[0\]\.dims\[1\]: expected an "
+                                        r"integer or a symbol name, found ") as info:
         StageSpec.deserialize(msg.SerializeToString())
+    assert len(str(info.value)) < 300  # a hostile value is clipped in the message
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "spec.py validate(): the spec_version major passes str.isdigit() ('²', '٣') or has 4301+ "
-    "digits, then int(major) raises ValueError instead of SpecError. Fix: "
-    "re.fullmatch(r'[0-9]{1,9}', major, re.ASCII)"))
-@pytest.mark.parametrize("version", ["².0", "1" * 5000], ids=["superscript", "5000-digits"])
+@pytest.mark.parametrize("dim, value", [("0", 0), ("32", 32), ("-4", -4), ("9" * 18, int("9" * 18)),
+                                        ("b", "b"), ("²", "²")])
+def test_parse_dim(dim: str, value: int | str) -> None:
+    from jaxdist.spec import parse_dim
+    assert parse_dim(dim) == value and type(parse_dim(dim)) is type(value)
+
+
+@pytest.mark.parametrize("version", ["².0", "1" * 5000, "٣.0", "1\n.0"],
+                         ids=["superscript", "5000-digits", "arabic-indic", "newline"])
 def test_error_spec_version_not_ascii_integer(version: str) -> None:
+    """Fixed: the major version passed ``str.isdigit()``, then int() raised ValueError."""
     msg = pb.StageSpec.FromString(SPEC_SEEDS[0])
     msg.spec_version = version
-    with pytest.raises(SpecError, match=r"StageSpec\.spec_version: unsupported version"):
+    with pytest.raises(SpecError, match=r"^StageSpec\.spec_version: unsupported version .*; this "
+                                        r"jaxdist reads major versions \(1,\)"):
         StageSpec.deserialize(msg.SerializeToString())
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "codec._check accepts a shape numpy cannot make: rank > 64, or a zero dim next to dims "
-    "whose product overflows (0, 2**62, 2**62); decode()/TensorAssembler then raise numpy's "
-    "ValueError from reshape, not CodecError (a worker reports it as INTERNAL). Fix: in _check, "
-    "refuse len(shape) > 64 and a product of the non-zero dims * itemsize >= 2**63"))
-@pytest.mark.parametrize("shape", [[1] * 65, [0, 1 << 62, 1 << 62], [16, 32] + [64] * 9 + [0]],
-                         ids=["rank-65", "zero-huge", "zero-overflowing-product"])
-def test_error_codec_shape_numpy_cannot_make(shape: list[int]) -> None:
+@pytest.mark.parametrize("shape, message", [
+    ([1] * 65, r"rank 65 is over the largest supported rank of 64"),
+    ([0, 1 << 62, 1 << 62], r"is over numpy's largest array"),
+    ([16, 32] + [64] * 9 + [0], r"is over numpy's largest array")],
+    ids=["rank-65", "zero-huge", "zero-overflowing-product"])
+def test_error_codec_shape_numpy_cannot_make(shape: list[int], message: str) -> None:
+    """Fixed: a shape numpy cannot make (rank > 64; non-zero dims whose product times the item
+    size reaches 2**63, even next to a zero) got numpy's ValueError from reshape."""
     empty = 0 in shape
     data = pb.Tensor(name="x", dtype=pb.U8, shape=shape, data=b"" if empty else b"\0",
                      total_bytes=0 if empty else 1).SerializeToString()
-    with pytest.raises(CodecError, match="tensor 'x'"):
+    with pytest.raises(CodecError, match=rf"^tensor 'x': .*{message}"):
         codec.from_bytes(data)
+    with pytest.raises(CodecError, match=rf"^tensor 'x': .*{message}"):
+        codec.TensorAssembler().add(pb.Tensor.FromString(data))
 
 
-@pytest.mark.xfail(strict=True, raises=(MemoryError, ValueError), reason=(
-    "codec.TensorAssembler with max_bytes=None (the coordinator: Pipeline._listen uses "
-    "FrameAssembler() without limits) allocates the whole declared tensor on its first chunk: "
-    "a peer declaring 4 TiB gets numpy's MemoryError/ValueError, not CodecError, and a declared "
-    "size within overcommit is allocated. Fix: a finite default limit in TensorAssembler (and "
-    "give the coordinator's FrameAssembler the same limits as the worker), and turn allocation "
-    "failures into CodecError"))
-@pytest.mark.parametrize("elements", [1 << 40, 1 << 61], ids=["4TiB", "8EiB"])
-def test_error_coordinator_assembler_huge_declared_tensor(elements: int) -> None:
+def test_codec_largest_empty_shape_numpy_makes() -> None:
+    """The bound is numpy's own: one byte less than the refused shapes above still decodes."""
+    shape = [0, (1 << 63) - 1]
+    data = pb.Tensor(name="x", dtype=pb.U8, shape=shape).SerializeToString()
+    assert codec.from_bytes(data)[1].shape == tuple(shape)
+
+
+def test_coordinator_assembler_has_the_worker_limits() -> None:
+    """The coordinator's ``FrameAssembler()`` (``Pipeline._receive``) and a bare
+    ``TensorAssembler()`` take the same limits as a worker's ``Push``."""
+    asm = frames.FrameAssembler()
+    assert (asm.max_bytes, asm.max_tensors) == (WORKER.max_frame_tensor_bytes,
+                                                WORKER.max_tensors_per_frame)
+    assert (codec.DEFAULT_MAX_TENSOR_BYTES, codec.DEFAULT_MAX_TENSORS) == (
+        WORKER.max_frame_tensor_bytes, WORKER.max_tensors_per_frame)
+
+
+OVER_LIMIT = (rf"^tensor 'x' is {4 << 40} bytes, over the limit of "
+              rf"{codec.DEFAULT_MAX_TENSOR_BYTES} bytes per tensor$")
+OVER_NUMPY = r"^tensor 'x': shape \(2305843009213693952,\) of float32 is over numpy's largest array"
+
+
+@pytest.mark.parametrize("elements, error, message", [
+    (1 << 40, LimitError, OVER_LIMIT), (1 << 61, CodecError, OVER_NUMPY)], ids=["4TiB", "8EiB"])
+def test_error_coordinator_assembler_huge_declared_tensor(
+        elements: int, error: type[JaxdistError], message: str) -> None:
+    """Fixed: with no limits (the coordinator's assembler had none), the first chunk of a
+    tensor declared at 4 TiB allocated it (MemoryError or ValueError from numpy)."""
     msg = pb.Tensor(name="x", dtype=pb.F32, shape=[elements], data=b"\0" * 4, offset=0,
                     total_bytes=elements * 4)
-    with pytest.raises(CodecError, match="tensor 'x'"):
+    with pytest.raises(error, match=message):
         codec.TensorAssembler().add(msg)
+    asm = frames.FrameAssembler()
+    frame = pb.Frame(session_id="s", step=2, tensors=[msg], last_chunk=True)
+    with pytest.raises(error, match=r"^session 's' step 2: " + message.lstrip("^")):
+        asm.add(frame)
+    assert asm.add(pb.Frame(session_id="s", step=3, last_chunk=True))[1] == {}  # reset
 
 
-@pytest.mark.xfail(strict=True, raises=DecodeError, reason=(
-    "frames.parse_frame / parse_event (the Push and Subscribe deserializers) let protobuf's "
-    "DecodeError out on malformed bytes (always below SCAN_MIN_BYTES; for malformed header "
-    "fields above it), while the scan path raises CodecError for the same damage. Fix: catch "
-    "DecodeError around pb.Frame/pb.Event.FromString and raise CodecError"))
-@pytest.mark.parametrize("parse", [frames.parse_frame, frames.parse_event], ids=["frame", "event"])
-def test_error_frames_parse_garbage(parse: Callable[[bytes], Any]) -> None:
-    with pytest.raises(CodecError, match="malformed"):
-        parse(b"\xff\xff\xff")
+def test_error_assembler_without_limits_cannot_allocate() -> None:
+    """With the limits turned off, a declared size no address space holds (4 EiB) is a
+    LimitError naming the tensor, not numpy's MemoryError."""
+    msg = pb.Tensor(name="x", dtype=pb.U8, shape=[1 << 62], data=b"\0" * 4,
+                    total_bytes=1 << 62)
+    with pytest.raises(LimitError, match=rf"^tensor 'x': cannot allocate {1 << 62} bytes for it"):
+        codec.TensorAssembler(max_bytes=None, max_tensors=None).add(msg)
 
 
-@pytest.mark.xfail(strict=True, raises=(OverflowError, RecursionError), reason=(
-    "weights/safetensors.py: a header number 1e999 (JSON Infinity) in shape or data_offsets makes "
-    "int() raise OverflowError, and a deeply nested header makes json.loads raise RecursionError; "
-    "neither is WeightError (DescribeWeights/LoadStage answer INTERNAL). Fix: catch OverflowError "
-    "with TypeError/ValueError in _parse_entry, and RecursionError around json.loads (also in "
-    "read_index)"))
-@pytest.mark.parametrize("header", [
-    '{"a":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}',
-    '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,1e999]}}',
-    "[" * 100_000 + "]" * 100_000], ids=["inf-shape", "inf-offset", "deep-nesting"])
-def test_error_safetensors_hostile_json(tmp_path: Path, header: str) -> None:
+def test_error_assembler_too_many_tensors() -> None:
+    asm = codec.TensorAssembler(max_tensors=2)
+    for name in ("a", "b"):
+        asm.add(pb.Tensor(name=name, dtype=pb.U8, shape=[1], data=b"\0", total_bytes=1))
+    with pytest.raises(LimitError, match=r"^more than 2 tensors in one frame \(the limit\); "
+                                         r"tensor 'c' would be number 3$"):
+        asm.add(pb.Tensor(name="c", dtype=pb.U8, shape=[1], data=b"\0", total_bytes=1))
+
+
+@pytest.mark.parametrize("parse, data, message", [
+    (frames.parse_frame, b"\xff\xff\xff", r"^malformed Frame message \(3 bytes\)"),
+    (frames.parse_event, b"\xff\xff\xff", r"^malformed Event message \(3 bytes\)"),
+    # Past SCAN_MIN_BYTES the scan reads the fields; protobuf still parses the header ones.
+    (frames.parse_frame, SCAN_PAD + b"\x0a\x01\xff", r"^malformed Frame header fields"),
+    # Event.result (field 1) holding a Frame whose pipeline_id is not UTF-8; then session_id.
+    (frames.parse_event, SCAN_PAD + b"\x0a\x03\x0a\x01\xff", r"^malformed Frame header fields"),
+    (frames.parse_event, SCAN_PAD + b"\x2a\x01\xff", r"^malformed Event fields")],
+    ids=["frame", "event", "frame-scan", "event-scan-result", "event-scan"])
+def test_error_frames_parse_garbage(parse: Callable[[bytes], Any], data: bytes,
+                                    message: str) -> None:
+    """Fixed: protobuf's DecodeError escaped the Push and Subscribe deserializers."""
+    with pytest.raises(CodecError, match=message):
+        parse(data)
+
+
+@pytest.mark.parametrize("header, message", [
+    ('{"a":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}',
+     r"tensor 'a': 'shape' must be a list of non-negative integers, found \[inf\]"),
+    ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,1e999]}}',
+     r"tensor 'a': 'data_offsets' must be a list of non-negative integers, found \[0, inf\]"),
+    ('{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}',
+     r"tensor 'a': 'shape' must be a list of non-negative integers, found \[1\.0\]"),
+    ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4,8]}}',
+     r"tensor 'a': 'data_offsets' must be \[begin, end\], found \[0, 4, 8\]"),
+    ('{"a":[1]}', r"tensor 'a': expected an object with dtype, shape and data_offsets"),
+    ('{"a":{"dtype":["F32"],"shape":[1],"data_offsets":[0,4]}}',
+     r"tensor 'a': unknown dtype \['F32'\]"),
+    ("[" * 100_000 + "]" * 100_000, r"the header JSON is nested too deeply to parse")],
+    ids=["inf-shape", "inf-offset", "float-shape", "three-offsets", "entry-not-object",
+         "dtype-not-string", "deep-nesting"])
+def test_error_safetensors_hostile_json(tmp_path: Path, header: str, message: str) -> None:
+    """Fixed: 1e999 (JSON Infinity) made int() raise OverflowError, a deeply nested header made
+    json.loads raise RecursionError. Numbers must now be JSON integers (no float conversion)."""
     head = header.encode()
     path = tmp_path / "h.safetensors"
     path.write_bytes(struct.pack("<Q", len(head)) + head + bytes(8))
-    with pytest.raises(WeightError, match="is malformed"):
+    with pytest.raises(WeightError, match=rf"^safetensors file '.*h\.safetensors' is malformed: "
+                                          rf"{message}"):
         SafetensorsFile(path)
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError), reason=(
-    "weights/safetensors.py takes '__metadata__' as is (here a list); "
-    "WeightCache.metadata() then fails in dict.update with TypeError, and DescribeWeights "
-    "answers INTERNAL. Fix: require a JSON object of strings in SafetensorsFile and raise "
-    "WeightError otherwise"))
-def test_error_safetensors_metadata_not_an_object(tmp_path: Path) -> None:
-    head = b'{"__metadata__":[1,2]}'
+def test_error_safetensors_index_deep_nesting(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors.index.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(WeightError, match=r"^safetensors index '.*' could not be read: its JSON "
+                                          r"is nested too deeply"):
+        read_index(path)
+
+
+@pytest.mark.parametrize("meta", ["[1,2]", '"x"', '{"a":1}', '{"a":{"b":"c"}}'],
+                         ids=["list", "string", "number-value", "object-value"])
+def test_error_safetensors_metadata_not_an_object(tmp_path: Path, meta: str) -> None:
+    """Fixed: a '__metadata__' that is not an object of strings was kept, and
+    ``WeightCache.metadata`` (DescribeWeights) failed in dict.update with TypeError."""
+    head = b'{"__metadata__":' + meta.encode() + b"}"
     (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(head)) + head)
-    with WeightCache([tmp_path]) as cache, pytest.raises(WeightError, match="__metadata__"):
+    with WeightCache([tmp_path]) as cache, pytest.raises(
+            WeightError, match=r"^safetensors file '.*m\.safetensors' is malformed: "
+                               r"'__metadata__' must be an object of strings, found "):
         cache.metadata("m.safetensors")
+
+
+def test_safetensors_metadata_null_or_strings(tmp_path: Path) -> None:
+    for n, meta in enumerate(["null", '{"format":"pt"}']):
+        head = b'{"__metadata__":' + meta.encode() + b"}"
+        (tmp_path / f"m{n}.safetensors").write_bytes(struct.pack("<Q", len(head)) + head)
+    with WeightCache([tmp_path]) as cache:
+        assert cache.metadata("m0.safetensors") == {}
+        assert cache.metadata("m1.safetensors") == {"format": "pt"}
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{not json", r"could not be read: Expecting property name"),
+    ("[" * 100_000 + "]" * 100_000, r"could not be read: its JSON is nested too deeply"),
+    ("[1, 2]", r"expected a JSON object, found list"),
+    (b"\xff\xfe", r"could not be read: 'utf-8' codec can't decode")],
+    ids=["not-json", "deep-nesting", "not-an-object", "not-utf8"])
+def test_error_checkpoint_config_json(tmp_path: Path, config: str | bytes, message: str) -> None:
+    """Fixed: a malformed config.json beside a checkpoint made ``WeightCache.metadata``
+    (DescribeWeights) raise JSONDecodeError."""
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(config if isinstance(config, bytes) else config.encode())
+    with WeightCache([tmp_path]) as cache, pytest.raises(
+            WeightError, match=rf"^checkpoint config '.*config\.json'.*{message}"):
+        cache.metadata("model.safetensors")
+
+
+def test_error_checkpoint_config_outside_the_roots(tmp_path: Path) -> None:
+    """A config.json that links outside the weight roots is refused, like a weight file."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret.json").write_text('{"secret": 1}')
+    save_file({"w": np.ones(2, np.float32)}, str(root / "model.safetensors"))
+    os.symlink(outside / "secret.json", root / "config.json")
+    with WeightCache([root]) as cache, pytest.raises(
+            WeightError, match=r"config\.json' resolves to .*secret\.json', which is outside"):
+        cache.metadata("model.safetensors")

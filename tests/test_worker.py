@@ -106,24 +106,23 @@ def test_end_session_frees_state(cluster3):
         assert err.value.stage == 0
 
 
-def test_eviction_in_a_later_stage_reaches_the_caller(mlp_root):
-    # Stage 1's worker keeps one session only, so a second session evicts the first there.
+def test_session_limit_in_a_later_stage_reaches_the_caller(mlp_root):
+    # Stage 1's worker holds one session only, so a second session is refused there; the first
+    # keeps its state (nothing is evicted).
     workers = spawn_workers(1, max_sessions=8) + spawn_workers(1, max_sessions=1)
     cluster = Cluster([w.address for w in workers])
     try:
         with cluster.deploy(accumulator(), stages=2) as pipe:
             one = np.ones((1, 4), np.float32)
             pipe.call(x=one, session_id="first", step=0)
-            pipe.call(x=one, session_id="second", step=0)
             with pytest.raises(RemoteStageError) as err:
-                pipe.call(x=one, session_id="first", step=1)
+                pipe.call(x=one, session_id="second", step=0)
             e = err.value
             assert e.stage == 1 and e.address == workers[1].address
-            assert e.remote_type == "SessionError"
-            assert "was evicted" in str(e) and "--max-sessions=1" in str(e)
+            assert e.remote_type == "LimitError" and e.code == "RESOURCE_EXHAUSTED"
+            assert "refused" in str(e) and "--max-sessions=1" in str(e)
             assert "Traceback" in e.remote_traceback
-            # The evicted session can start over; the other one goes on.
-            pipe.call(x=one, session_id="second", step=1)
+            pipe.call(x=one, session_id="first", step=1)  # the first one goes on
     finally:
         cluster.close()
         stop_workers(workers)

@@ -8,12 +8,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 import threading
 
 from jaxdist import config as jd_config
 from jaxdist.errors import JaxdistError
+
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def _size(text: str) -> int:
+    """A byte count: ``1048576``, ``512M`` (10^6), ``1GiB`` (2^30); for argparse."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*([KMGT]i?)?B?\s*", text, re.ASCII | re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 1048576, 512M or "
+                                         f"4GiB, found {text!r}")
+    return int(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,8 +43,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache ('off' to disable; default "
                         "$JAXDIST_COMPILATION_CACHE or ~/.cache/jaxdist/xla)")
-    p.add_argument("--max-sessions", type=int, default=64,
-                   help="resident sessions before LRU eviction (default %(default)s)")
+    limits = p.add_argument_group("limits", "exceeding one is RESOURCE_EXHAUSTED, naming the "
+                                  "limit (see SECURITY.md); SIZE is bytes, or 512M, 4G, 1GiB ...")
+    limits.add_argument("--max-sessions", type=int, default=64, metavar="N",
+                        help="sessions held at once, all stages; a new one beyond is refused "
+                             "(default %(default)s)")
+    limits.add_argument("--session-idle-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="reclaim a session after this long without a step; 0: never "
+                             "(default %(default)s)")
+    limits.add_argument("--max-kv-bytes", type=_size, default=None, metavar="SIZE",
+                        help="session state (KV cache) bytes held at once, all sessions and "
+                             "stages; 0: no limit (default: half the device's memory, the RAM "
+                             "for cpu)")
+    limits.add_argument("--max-artifact-bytes", type=_size, default=256 << 20, metavar="SIZE",
+                        help="largest artifact, uploaded or inlined in a spec "
+                             "(default %(default)s)")
+    limits.add_argument("--max-frame-bytes", type=_size, default=1 << 30, metavar="SIZE",
+                        help="tensor bytes in one frame, all its tensors (default %(default)s)")
+    limits.add_argument("--max-tensors-per-frame", type=int, default=256, metavar="N",
+                        help="tensors in one frame (default %(default)s)")
+    auth = p.add_argument_group(
+        "authentication", "what callers must present; the same files are this worker's "
+        "credentials towards its next hops (see SECURITY.md). Without a token or mutual TLS, "
+        "anyone who reaches the port can run code here: a non-loopback --listen warns.")
+    auth.add_argument("--token-file", default=None, metavar="FILE",
+                      help="require every call to carry 'authorization: Bearer <token>', the "
+                           "token being this file's content")
+    auth.add_argument("--tls-cert", default=None, metavar="PEM",
+                      help="serve TLS with this certificate (chain); also the client "
+                           "certificate presented to next hops")
+    auth.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    auth.add_argument("--tls-ca", default=None, metavar="PEM",
+                      help="mutual TLS: require client certificates signed by this CA; also "
+                           "verifies the next hops' certificates")
     p.add_argument("--log-level", default="WARNING",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
     return p.parse_args(argv)
@@ -45,23 +89,41 @@ def main(argv: list[str] | None = None) -> int:
     from jaxdist.worker.server import create_server
     from jaxdist.worker.servicer import WorkerConfig
 
-    if opts.max_sessions < 1:
-        print(f"jaxdist-worker: --max-sessions must be >= 1, got {opts.max_sessions}",
-              file=sys.stderr)
-        return 2
+    from jaxdist.transport import security
+
+    for flag, value, least in (("--max-sessions", opts.max_sessions, 1),
+                               ("--max-tensors-per-frame", opts.max_tensors_per_frame, 1),
+                               ("--max-artifact-bytes", opts.max_artifact_bytes, 1),
+                               ("--max-frame-bytes", opts.max_frame_bytes, 1),
+                               ("--session-idle-timeout", opts.session_idle_timeout, 0)):
+        if value < least:
+            print(f"jaxdist-worker: {flag} must be >= {least}, got {value}", file=sys.stderr)
+            return 2
     cache_dir = opts.compilation_cache
     if cache_dir is None:
         cache_dir = jd_config.default_compilation_cache()
     elif cache_dir.lower() == "off":
         cache_dir = None
     try:
+        files = {"token_file": opts.token_file, "tls_cert": opts.tls_cert,
+                 "tls_key": opts.tls_key, "tls_ca": opts.tls_ca}
+        auth = security.server_auth(**files)
         config = WorkerConfig(weights_roots=opts.weights_root, artifact_cache=opts.artifact_cache,
-                              device=opts.device, max_sessions=opts.max_sessions)
-        server, servicer, address = create_server(opts.listen, config)
+                              device=opts.device, max_sessions=opts.max_sessions,
+                              session_idle_timeout=opts.session_idle_timeout,
+                              max_kv_bytes=opts.max_kv_bytes,
+                              max_artifact_bytes=opts.max_artifact_bytes,
+                              max_frame_bytes=opts.max_frame_bytes,
+                              max_tensors_per_frame=opts.max_tensors_per_frame,
+                              peer_auth=security.client_auth(**files))
+        server, servicer, address = create_server(opts.listen, config, auth)
     except JaxdistError as exc:
         print(f"jaxdist-worker: {exc}", file=sys.stderr)
         return 2
     jd_config.configure_compilation_cache(cache_dir, servicer.device.device_kind)
+    warning = security.exposure_warning(opts.listen.rpartition(":")[0], auth)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     if not opts.weights_root:
         logging.getLogger("jaxdist.worker").warning(
             "no --weight-root given: every weight URI will be refused")

@@ -27,6 +27,7 @@ import traceback
 from typing import Any
 
 import numpy as np
+from jaxdist.worker.sessions import SessionStore
 
 from jaxdist.errors import JaxdistError, TransportError
 from jaxdist.proto import jaxdist_pb2 as pb
@@ -34,8 +35,6 @@ from jaxdist.stage import WorkerStage
 from jaxdist.transport import status, wire
 from jaxdist.transport.channel import AsyncFrameSender, make_aio_channel
 from jaxdist.transport.frames import FrameHeader, result_events, split_frame
-
-from jaxdist.worker.sessions import Session, SessionStore
 
 __all__ = ["HEARTBEAT", "Hub", "PeerPool", "StageRuntime", "remote_error"]
 
@@ -239,7 +238,7 @@ class StageRuntime:
                     await asyncio.get_running_loop().run_in_executor(
                         self._pool, self.stage.compile_shapes, shapes)
                 outputs = self._execute(header, tensors, shapes)
-            except Exception as exc:  # every failure of a frame goes back to the coordinator
+            except Exception as exc:  # noqa: BLE001 - every frame failure goes to the coordinator
                 await self._failed(header, exc)
                 return
             if (self._inline_ok and not self._egress_busy and _ready_on_host(outputs)
@@ -277,18 +276,24 @@ class StageRuntime:
         if not self._stateful:
             outputs, _ = self.stage.run(tensors, shapes=shapes)
             return outputs
-        sess = self._sessions.take(self.stage_id, h.session_id, h.step)
-        state = sess.state if sess is not None else self.stage.init_state()
-        if sess is not None:
-            sess.state = {}  # donated below: never leave dangling buffers in the store
+        if h.step == 0:  # refused here, under the limits, before any state is allocated
+            sess = self._sessions.open(self.stage_id, h.session_id, self.spec.state_bytes)
+            try:
+                state = self.stage.init_state()
+            except Exception:
+                self._sessions.end(h.session_id, [self.stage_id])
+                raise
+        else:
+            sess = self._sessions.take(self.stage_id, h.session_id, h.step)
+            state, sess.state = sess.state, {}  # donated below: leave no dangling buffers
         try:
             outputs, new_state = self.stage.run(tensors, state, shapes=shapes)
-        except Exception:
-            if sess is not None:  # the state may be donated already: the session is lost
-                self._sessions.end(h.session_id, [self.stage_id])
+        except Exception as exc:  # the state may be donated already: the session is lost
+            self._sessions.lose(self.stage_id, h.session_id,
+                                f"was lost: step {h.step} failed on this stage "
+                                f"({type(exc).__name__}), and its state was given to that step")
             raise
-        self._sessions.put(self.stage_id, h.session_id,
-                           Session(new_state, h.step, self.spec.state_bytes))
+        sess.state, sess.step = new_state, h.step
         return outputs
 
     # -- egress -----------------------------------------------------------------------------
@@ -314,7 +319,7 @@ class StageRuntime:
                 if not (self._inline_ok and _ready_on_host(outputs)):
                     outputs = await loop.run_in_executor(self._pool, _to_host, outputs)
                 await self._emit(header, outputs)
-            except Exception as exc:  # the device computation itself failed
+            except Exception as exc:  # noqa: BLE001 - the device computation itself failed
                 await self._failed(header, exc)
             finally:
                 self._egress_busy = False
@@ -323,7 +328,7 @@ class StageRuntime:
     async def _emit(self, header: FrameHeader, outputs: dict[str, Any]) -> None:
         try:
             await self._forward(header, outputs)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, never raised
             await self._failed(header, exc)
 
     async def _forward(self, header: FrameHeader, outputs: dict[str, Any]) -> None:

@@ -5,6 +5,10 @@ plane. ``Push`` and ``Subscribe`` are coroutines on that loop, which also runs t
 writes the streams to next hops, so a frame crosses a worker without a thread handoff. The
 control calls (``LoadStage``, ``Info``, ...) are plain functions, run in a thread pool, so a
 long compile or weight load never stalls the loop.
+
+Credentials (``jaxdist.transport.security``): with TLS the port is a secure port (mutual TLS when
+a CA is given); with a token, an interceptor refuses every call without it before the servicer
+sees the call.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import grpc
 from jaxdist.errors import TransportError
 from jaxdist.transport import wire
 from jaxdist.transport.channel import SERVER_OPTIONS
+from jaxdist.transport.security import ServerAuth
 
 from jaxdist.worker.servicer import WorkerConfig, WorkerServicer
 
@@ -52,9 +57,15 @@ class WorkerServer:
         return bool(future.result())
 
 
-def create_server(listen: str, config: WorkerConfig
+def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = None
                   ) -> tuple[WorkerServer, WorkerServicer, str]:
     """Create and start a worker server on ``HOST:PORT`` (port 0 picks a free port).
+
+    Args:
+        listen: ``HOST:PORT`` to bind.
+        config: the worker's configuration.
+        auth: what callers must present (``security.server_auth``); ``None``: plaintext, no
+            credentials checked.
 
     Returns:
         ``(server, servicer, address)`` where ``address`` is the bound ``HOST:PORT``.
@@ -62,6 +73,7 @@ def create_server(listen: str, config: WorkerConfig
     Raises:
         TransportError: the address cannot be bound.
     """
+    auth = auth or ServerAuth()
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise TransportError(f"--listen expects HOST:PORT, found {listen!r}")
@@ -73,9 +85,13 @@ def create_server(listen: str, config: WorkerConfig
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=MAX_WORKERS,
                                                              thread_name_prefix="rpc"),
-            options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_WORKERS * 4)
+            options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_WORKERS * 4,
+            interceptors=auth.interceptors or None)
         try:
-            bound = server.add_insecure_port(listen)
+            if auth.credentials is not None:
+                bound = server.add_secure_port(listen, auth.credentials)
+            else:
+                bound = server.add_insecure_port(listen)
         except RuntimeError as exc:
             raise TransportError(f"cannot listen on {listen}: {exc}") from None
         if bound == 0:
@@ -91,5 +107,5 @@ def create_server(listen: str, config: WorkerConfig
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         raise
-    log.info("worker serving on %s", address)
+    log.info("worker serving on %s (%s)", address, auth.describe())
     return WorkerServer(server, loop, thread), servicer, address

@@ -1,9 +1,11 @@
 """The gRPC servicer of the generic worker. It holds no model code: stages arrive as specs.
 
-Every failure of a unary call is mapped to a gRPC status in one place, :func:`_rpc`, through
-``jaxdist.transport.status``. Failures of a frame are not call failures: they are reported to the
-coordinator's subscription with the stage, this worker's address and the traceback, and the
-stream goes on serving the next frame.
+Every failure of a call is mapped to a gRPC status in one place, :func:`_failure`, through
+``jaxdist.transport.status``: for unary calls in :func:`_rpc`, which also parses their request
+bytes (see ``jaxdist.transport.wire``), and for a stream whose requests cannot be read.
+Failures of a frame are not call failures: they are reported to the coordinator's subscription
+with the stage, this worker's address and the traceback, and the stream goes on serving the
+next frame.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import grpc
 import jax
 import jaxlib
 import psutil
+from jaxdist.worker.limits import FrameBudget, default_max_kv_bytes
+from jaxdist.worker.runtime import HEARTBEAT, Hub, PeerPool, StageRuntime, remote_error
+from jaxdist.worker.sessions import SessionStore
 
 import jaxdist
 from jaxdist import artifacts, devices
@@ -32,12 +37,10 @@ from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 from jaxdist.registry import LocalRegistry
 from jaxdist.spec import SPEC_VERSION, StageSpec, validate
 from jaxdist.stage import WorkerStage
-from jaxdist.transport import status
+from jaxdist.transport import status, wire
 from jaxdist.transport.frames import FrameAssembler, FrameView, header_of
+from jaxdist.transport.security import ClientAuth
 from jaxdist.weights import WeightCache
-
-from jaxdist.worker.runtime import HEARTBEAT, Hub, PeerPool, StageRuntime, remote_error
-from jaxdist.worker.sessions import SessionStore
 
 __all__ = ["WorkerConfig", "WorkerServicer"]
 
@@ -55,27 +58,45 @@ class WorkerConfig:
     weights_roots: Sequence[str] = ()                 # weight URIs resolve only under these
     artifact_cache: str = ""                          # on-disk artifact store (survives restarts)
     device: str = "auto"                              # which devices this worker offers
-    max_sessions: int = 64                            # resident sessions, LRU beyond
+    # Limits (SECURITY.md, "Limits and their defaults"); exceeding one is RESOURCE_EXHAUSTED.
+    max_sessions: int = 64                            # sessions held at once; more are refused
+    session_idle_timeout: float = 600.0               # s without a step, then reclaimed; 0: never
+    max_kv_bytes: int | None = None                   # session state bytes held at once, all
+    #                                                   stages; None: limits.default_max_kv_bytes
+    #                                                   (half the device's memory); 0: no limit
     allowed_custom_calls: Collection[str] = artifacts.DEFAULT_CUSTOM_CALL_ALLOWLIST
-    max_artifact_bytes: int = 256 << 20               # largest artifact accepted
+    max_artifact_bytes: int = 256 << 20               # largest artifact (uploaded or inline)
+    max_frame_bytes: int = 1 << 30                    # tensor bytes in one frame, all tensors
     max_frame_tensor_bytes: int = 1 << 30             # largest single tensor in a frame
     max_tensors_per_frame: int = 256
     devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
+    # Token and TLS this worker presents when it dials its next hops (security.client_auth)
+    peer_auth: ClientAuth = field(default_factory=ClientAuth)
+
+
+def _failure(exc: BaseException, context: grpc.ServicerContext | grpc.aio.ServicerContext,
+             method: str) -> grpc.StatusCode:
+    """The status code a failed call ends with, and its error class as trailing metadata (the
+    one place). Logs the traceback of an error that is not a ``JaxdistError``: a bug."""
+    if not isinstance(exc, JaxdistError):
+        log.exception("%s failed", method)
+    context.set_trailing_metadata((("jaxdist-error-type", type(exc).__name__),))
+    return status.code_for(exc)
 
 
 def _rpc(method: Callable[..., T]) -> Callable[..., T]:
-    """Map every exception of a unary call to one status code and a message (the one place)."""
+    """Parse a unary call's request bytes (``wire.parse_request``), and map every exception of
+    the call, a malformed request included, to one status code and a message."""
+    request_class = wire.request_class(method.__name__)
 
     @functools.wraps(method)
     def wrapper(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> T:
         try:
+            if request_class is not None:
+                request = wire.parse_request(request_class, request)
             return method(self, request, context)
         except Exception as exc:
-            code = status.code_for(exc)
-            if not isinstance(exc, JaxdistError):
-                log.exception("%s failed", method.__name__)
-            context.set_trailing_metadata((("jaxdist-error-type", type(exc).__name__),))
-            context.abort(code, str(exc))
+            context.abort(_failure(exc, context, method.__name__), str(exc))
             raise  # unreachable: abort raises
 
     return wrapper
@@ -90,9 +111,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.started = time.monotonic()
         self.cache = WeightCache(config.weights_roots)
         self.registry = LocalRegistry(config.artifact_cache)
-        self.sessions = SessionStore(config.max_sessions)
         self.hub = Hub()
-        self.peers = PeerPool()
+        self.peers = PeerPool(config.peer_auth.metadata, config.peer_auth.credentials)
         self._all_devices = list(config.devices) if config.devices is not None else None
         # The worker's own directive narrows what stages may ask for.
         self.device = devices.resolve_device(config.device, self._all_devices)
@@ -100,12 +120,32 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                          if devices.device_platform(d) == devices.device_platform(self.device)]
         self.device_name = "{}:{}".format(devices.device_platform(self.device),
                                           devices.describe_device(self.device, self._offered)["index"])
+        self.sessions = SessionStore(config.max_sessions, max_kv_bytes=self._kv_limit(),
+                                     idle_timeout=config.session_idle_timeout)
+        self._reaper_stop = threading.Event()
+        if config.session_idle_timeout > 0:
+            threading.Thread(target=self._reap_idle_sessions, name="session-reaper",
+                             daemon=True).start()
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._lock = threading.Lock()
         self._draining = threading.Event()
         # Waits for device results and compiles new shapes, off the data-plane loop.
         self._egress_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="egress")
+
+    def _kv_limit(self) -> int:
+        """``max_kv_bytes``, or by default half the memory behind this worker's device."""
+        if self.config.max_kv_bytes is not None:
+            return self.config.max_kv_bytes
+        memory = devices.describe_device(self.device, self._offered).get("memory_total")
+        return default_max_kv_bytes(int(memory or 0))
+
+    def _reap_idle_sessions(self) -> None:
+        """Reclaim idle sessions now and then, so a crashed coordinator's state is freed even
+        when no new session comes to trigger it."""
+        period = min(max(self.config.session_idle_timeout / 4, 0.05), 30.0)
+        while not self._reaper_stop.wait(period):
+            self.sessions.reclaim_idle()
 
     # -- control plane ----------------------------------------------------------------------
 
@@ -152,11 +192,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 digest = chunk.digest
                 if chunk.total_bytes > self.config.max_artifact_bytes:
                     raise LimitError(f"artifact {digest} is {chunk.total_bytes} bytes, over the "
-                                     f"artifact size limit of {self.config.max_artifact_bytes}")
+                                     f"artifact size limit of {self.config.max_artifact_bytes} "
+                                     f"(--max-artifact-bytes)")
             size += len(chunk.data)
             if size > self.config.max_artifact_bytes:
                 raise LimitError(f"artifact {digest} exceeds the artifact size limit of "
-                                 f"{self.config.max_artifact_bytes} bytes")
+                                 f"{self.config.max_artifact_bytes} bytes (--max-artifact-bytes): "
+                                 f"{size} bytes received so far")
             parts.append(chunk.data)
         if not digest:
             raise ArtifactError("empty artifact upload: the first chunk must name the digest")
@@ -186,6 +228,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                      device=str(old.stage.device))
         if spec.artifact is not None:
             data = spec.artifact
+            if len(data) > self.config.max_artifact_bytes:
+                raise LimitError(f"artifact {spec.artifact_digest} inlined in the spec of stage "
+                                 f"{stage_id} is {len(data)} bytes, over the artifact size limit "
+                                 f"(--max-artifact-bytes={self.config.max_artifact_bytes})")
             if artifacts.digest_of(data) == spec.artifact_digest and not self.registry.has(
                     spec.artifact_digest):
                 self.registry.put(data)
@@ -194,9 +240,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         else:
             raise ArtifactError(f"artifact {spec.artifact_digest} not in this worker's cache; "
                                 f"upload it first (UploadArtifact) or inline it in the spec")
-        stage = WorkerStage.load(spec.replace(artifact=None), artifact=data, cache=self.cache,
-                                 allowed_custom_calls=self.config.allowed_custom_calls,
-                                 devices=self._offered)
+        try:
+            stage = WorkerStage.load(spec.replace(artifact=None), artifact=data,
+                                     cache=self.cache,
+                                     allowed_custom_calls=self.config.allowed_custom_calls,
+                                     devices=self._offered)
+        finally:  # the weight files' maps and parsed headers are not needed between binds
+            self.cache.drop_readers()
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
                                sessions=self.sessions, hub=self.hub, peers=self.peers,
                                address=self.address, pool=self._egress_pool)
@@ -250,9 +300,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                    context: grpc.aio.ServicerContext) -> pb.PushAck:
         """Frames into the stages of this worker. Bad frames are reported, not fatal.
 
-        Requests arrive as :class:`FrameView` (see ``jaxdist.transport.wire``)."""
-        asm = FrameAssembler(max_bytes=self.config.max_frame_tensor_bytes,
-                             max_tensors=self.config.max_tensors_per_frame)
+        Requests arrive as :class:`FrameView` (see ``jaxdist.transport.wire``). A request that
+        cannot be read (``frames.parse_frame`` raised) ends the call with its status."""
+        try:
+            return await self._push(request_iterator, context)
+        except Exception as exc:
+            await context.abort(_failure(exc, context, "Push"), str(exc))
+            raise  # unreachable: abort raises
+
+    async def _push(self, request_iterator: AsyncIterator[FrameView],
+                    context: grpc.aio.ServicerContext) -> pb.PushAck:
+        cfg = self.config
+        # A tensor is refused on its declared size before it is allocated; the budget counts
+        # the whole frame's bytes and tensors as they arrive.
+        asm = FrameAssembler(max_bytes=min(cfg.max_frame_tensor_bytes, cfg.max_frame_bytes),
+                             max_tensors=cfg.max_tensors_per_frame)
+        budget = FrameBudget(cfg.max_frame_bytes, cfg.max_tensors_per_frame)
         count = 0
         async for msg in request_iterator:
             count += 1
@@ -265,13 +328,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if runtime is None:
                     raise SessionError(f"unknown stage: pipeline {header.pipeline_id!r} stage "
                                        f"{header.stage} is not loaded on worker {self.address}")
+                budget.add(msg.chunks, header)
                 done = asm.add(msg, header)
                 if done is None:
                     continue
+                budget.reset()
                 header, tensors = done
                 shapes = runtime.stage.check_inputs(tensors)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad frame is reported, not fatal
                 asm.reset()
+                budget.reset()
                 await self._report(header, exc)
                 continue
             await runtime.process(header, tensors, shapes)
@@ -284,10 +350,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                pb.Event(error=err, request_id=header.request_id,
                                         session_id=header.session_id))
 
-    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
+    async def Subscribe(self, request: bytes, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[pb.Event]:
-        """Results, errors and heartbeats of one pipeline, until the coordinator hangs up."""
-        q = self.hub.open(request.pipeline_id, request.reply_to)
+        """Results, errors and heartbeats of one pipeline, until the coordinator hangs up.
+
+        ``request`` is a ``SubscribeRequest``'s bytes (see ``jaxdist.transport.wire``)."""
+        try:
+            sub = wire.parse_request(pb.SubscribeRequest, request)
+        except JaxdistError as exc:
+            await context.abort(_failure(exc, context, "Subscribe"), str(exc))
+            raise  # unreachable: abort raises
+        q = self.hub.open(sub.pipeline_id, sub.reply_to)
         beat = asyncio.get_running_loop().create_task(self._heartbeats(q))
         try:
             yield pb.Event(heartbeat=time.monotonic() - self.started)
@@ -300,7 +373,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 yield event
         finally:
             beat.cancel()
-            self.hub.close(request.pipeline_id, request.reply_to, q)
+            self.hub.close(sub.pipeline_id, sub.reply_to, q)
 
     @staticmethod
     async def _heartbeats(q: asyncio.Queue[Any]) -> None:
@@ -321,6 +394,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return all(rt.drain(max(0.0, deadline - time.monotonic())) for rt in runtimes)
 
     def close(self) -> None:
+        self._reaper_stop.set()
         with self._lock:
             runtimes = list(self._stages.values())
             self._stages.clear()

@@ -1,4 +1,5 @@
-"""Shared pieces of the ``jaxdist`` subcommands: progress display, cluster options."""
+"""Shared pieces of the ``jaxdist`` subcommands: progress display, cluster and credential
+options."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import Any
 
 from jaxdist.coordinator import Cluster
 from jaxdist.errors import JaxdistError
+from jaxdist.transport.security import ClientAuth, client_auth
 
-__all__ = ["ProgressBar", "add_cluster_args", "open_cluster"]
+__all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "auth_files", "client_auth_of",
+           "open_cluster"]
 
 
 class ProgressBar:
@@ -38,17 +41,49 @@ class ProgressBar:
         self.stream.flush()
 
 
+def add_auth_args(p: argparse.ArgumentParser) -> None:
+    """``--token-file``, ``--tls-cert``, ``--tls-key``, ``--tls-ca``: what the workers require.
+
+    Every subcommand that dials workers takes them; see ``SECURITY.md``."""
+    g = p.add_argument_group(
+        "credentials", "what the workers require (their --token-file and TLS options); "
+        "workers spawned with --local are started with the same files")
+    g.add_argument("--token-file", default=None, metavar="FILE",
+                   help="send this file's token as 'authorization: Bearer <token>'")
+    g.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="client certificate, for workers that require mutual TLS")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="connect with TLS and verify the workers' certificates against this CA")
+
+
+def auth_files(opts: argparse.Namespace) -> dict[str, str | None]:
+    """The credential options as keyword arguments (``token_file=``, ``tls_cert=``, ...)."""
+    return {"token_file": opts.token_file, "tls_cert": opts.tls_cert, "tls_key": opts.tls_key,
+            "tls_ca": opts.tls_ca}
+
+
+def client_auth_of(opts: argparse.Namespace) -> ClientAuth:
+    """The metadata and channel credentials the credential options ask for."""
+    return client_auth(**auth_files(opts))
+
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    """``--workers`` / ``--local`` and the worker-side options that go with them."""
+    """``--workers`` / ``--local``, the worker-side options that go with them, and the
+    credential options."""
     p.add_argument("--workers", default="", metavar="HOST:PORT,...",
                    help="comma-separated addresses of running workers")
     p.add_argument("--local", type=int, default=None, metavar="N",
                    help="spawn N local workers (the default, with N=2, when --workers is absent)")
+    p.add_argument("--spares", default="", metavar="HOST:PORT,...|N",
+                   help="spare workers: when a worker dies mid-generation its stages move to a "
+                        "spare and generation goes on (addresses with --workers; a count with "
+                        "--local)")
     p.add_argument("--stages", type=int, default=None, metavar="N",
                    help="pipeline stages (default: one per worker)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
                    help="declare a silent worker dead after S seconds (default %(default)s)")
+    add_auth_args(p)
 
 
 @contextlib.contextmanager
@@ -56,13 +91,25 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
     """Connect to ``--workers``, or spawn ``--local`` workers whose roots hold the model."""
     if opts.workers and opts.local:
         raise JaxdistError("give either --workers or --local, not both")
+    spares = getattr(opts, "spares", "")
     if opts.workers:
-        cluster = Cluster.connect(opts.workers, heartbeat_timeout=opts.heartbeat_timeout)
+        if spares.isdecimal():
+            raise JaxdistError(f"--spares {spares}: with --workers, give the spares' addresses "
+                               f"(HOST:PORT,...); a count is for --local")
+        auth = client_auth_of(opts)
+        cluster = Cluster.connect(opts.workers, heartbeat_timeout=opts.heartbeat_timeout,
+                                  metadata=auth.metadata, credentials=auth.credentials,
+                                  spares=[a.strip() for a in spares.split(",") if a.strip()])
     else:
-        n = opts.local or 2
-        print(f"spawning {n} local workers", file=sys.stderr)
+        if spares and not spares.isdecimal():
+            raise JaxdistError(f"--spares {spares!r}: with --local, give a number of spare "
+                               f"workers to spawn")
+        n, n_spares = opts.local or 2, int(spares or 0)
+        print(f"spawning {n} local workers" + (f" and {n_spares} spares" if n_spares else ""),
+              file=sys.stderr)
         cluster = Cluster.local(n, weights_roots=[os.fspath(r) for r in weights_roots],
-                                heartbeat_timeout=opts.heartbeat_timeout)
+                                heartbeat_timeout=opts.heartbeat_timeout, spares=n_spares,
+                                **auth_files(opts))
     try:
         yield cluster
     finally:

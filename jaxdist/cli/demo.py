@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxdist.cli.common import ProgressBar
+from jaxdist.cli.common import ProgressBar, add_auth_args, auth_files
 from jaxdist.coordinator import Cluster
 from jaxdist.model import Model, Param, Unit
 
@@ -24,6 +24,7 @@ def add_parser(sub: Any) -> None:
     demo.add_argument("--local", type=int, default=2, metavar="N", help="workers (default 2)")
     demo.add_argument("--width", type=int, default=256)
     demo.add_argument("--layers", type=int, default=4)
+    add_auth_args(demo)
     demo.set_defaults(run=run)
 
 
@@ -48,7 +49,7 @@ def run(opts: argparse.Namespace) -> int:
         ref = np.tanh(ref @ weights[f"l{i}.w"])
     n = opts.local or 2
     print(f"spawning {n} local workers; weights in {root} (only URIs cross the network)")
-    with Cluster.local(n, weights_roots=[root]) as cluster:
+    with Cluster.local(n, weights_roots=[root], **auth_files(opts)) as cluster:
         pipe = cluster.deploy(model, progress=ProgressBar())
         for k, spec in enumerate(pipe.specs):
             print(f"  stage {k}: {len(spec.weights)} layers on {pipe.clients[k].address}, "

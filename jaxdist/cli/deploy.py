@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from jaxdist.cli.common import ProgressBar
+from jaxdist.cli.common import ProgressBar, add_auth_args, client_auth_of
 from jaxdist.coordinator import Cluster
 from jaxdist.errors import JaxdistError, SpecError
 from jaxdist.manifest import open_manifest
@@ -42,12 +42,14 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--device", default="auto", help="device directive of every stage "
                    "(default %(default)s)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
+    add_auth_args(d)
     d.set_defaults(run=run_deploy)
 
     u = sub.add_parser("unload", help="unload a deployed pipeline from workers")
     u.add_argument("pipeline_id", help="as printed by jaxdist deploy (see jaxdist status)")
     u.add_argument("--workers", required=True, metavar="HOST:PORT,...")
     u.add_argument("--timeout", type=float, default=10.0)
+    add_auth_args(u)
     u.set_defaults(run=run_unload)
 
 
@@ -61,7 +63,9 @@ def _addresses(text: str) -> list[str]:
 def run_deploy(opts: argparse.Namespace) -> int:
     manifest, digest, store = open_manifest(opts.manifest, opts.registry)
     t0 = time.perf_counter()
-    cluster = Cluster.connect(_addresses(opts.workers))
+    auth = client_auth_of(opts)
+    cluster = Cluster.connect(_addresses(opts.workers), metadata=auth.metadata,
+                              credentials=auth.credentials)
     try:
         pipe = cluster.deploy_manifest(manifest, registry=store, model_path=opts.model_path,
                                        device=opts.device,
@@ -87,9 +91,11 @@ def run_deploy(opts: argparse.Namespace) -> int:
 
 
 def run_unload(opts: argparse.Namespace) -> int:
+    auth = client_auth_of(opts)
     unloaded = []
     for address in _addresses(opts.workers):
-        client = WorkerClient(address, timeout=opts.timeout)
+        client = WorkerClient(address, timeout=opts.timeout, metadata=auth.metadata,
+                              credentials=auth.credentials)
         try:
             client.wait_ready(opts.timeout)
             if client.unload_stage(opts.pipeline_id):

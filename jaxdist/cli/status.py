@@ -13,7 +13,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from jaxdist.cli.common import fmt_bytes
+from jaxdist.cli.common import add_auth_args, client_auth_of, fmt_bytes
 from jaxdist.errors import JaxdistError
 from jaxdist.transport.client import WorkerClient
 
@@ -25,6 +25,7 @@ def add_parser(sub: Any) -> None:
     status.add_argument("--workers", required=True, help="comma-separated HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=float, default=5.0)
+    add_auth_args(status)
     status.set_defaults(run=run)
 
 
@@ -32,9 +33,11 @@ def run(opts: argparse.Namespace) -> int:
     addresses = [a.strip() for a in opts.workers.split(",") if a.strip()]
     if not addresses:
         raise JaxdistError("status needs --workers HOST:PORT[,HOST:PORT...]")
+    auth = client_auth_of(opts)
     replies = []
     for a in addresses:
-        c = WorkerClient(a, timeout=opts.timeout)
+        c = WorkerClient(a, timeout=opts.timeout, metadata=auth.metadata,
+                         credentials=auth.credentials)
         try:
             c.wait_ready(opts.timeout)
             replies.append(c.info())

@@ -13,7 +13,7 @@ from jaxdist.errors import JaxdistError, TransportError
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 from jaxdist.spec import StageSpec
-from jaxdist.transport import status, wire
+from jaxdist.transport import security, status, wire
 from jaxdist.transport.channel import FrameSender, make_channel
 
 __all__ = ["WorkerClient", "raise_for_rpc"]
@@ -35,7 +35,8 @@ def raise_for_rpc(exc: grpc.RpcError, address: str, what: str) -> JaxdistError:
     code = exc.code()
     cls = status.error_class_for(code, remote_type)
     details = exc.details() or code.name
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAUTHENTICATED):
         details = f"{code.name}: {details}"
     return cls(f"worker {address}: {what}: {details}")
 
@@ -48,6 +49,8 @@ class WorkerClient:
         timeout: default deadline of quick calls, in seconds.
         metadata: call metadata sent with every call (e.g. ``authorization``).
         credentials: TLS channel credentials, or ``None`` for plaintext.
+
+    Both usually come from :func:`jaxdist.transport.security.client_auth`.
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0,
@@ -56,6 +59,7 @@ class WorkerClient:
         self.address = address
         self.timeout = timeout
         self.metadata = metadata
+        self.tls = credentials is not None
         self.channel = make_channel(address, credentials=credentials)
         self.stub = pb_grpc.WorkerStub(self.channel)
 
@@ -64,16 +68,33 @@ class WorkerClient:
         try:
             return fn(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as exc:
-            raise raise_for_rpc(exc, self.address, what) from None
+            error = raise_for_rpc(exc, self.address, what)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                hint = security.connection_hint(exc.details() or "", tls=self.tls)
+                error = type(error)(f"{error}{hint}")
+            raise error from None
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise TransportError(f"worker {self.address} is not reachable after {timeout}s") from None
+            pass
+        else:
+            return
+        # Why it is not ready: one short call says it (e.g. a TLS mismatch, given a hint).
+        try:
+            self.stub.Info(pb.InfoRequest(), timeout=min(timeout, 1.0), metadata=self.metadata)
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise raise_for_rpc(exc, self.address, "Info") from None
+            details = exc.details() or ""
+            hint = security.connection_hint(details, tls=self.tls)
+            raise TransportError(f"worker {self.address} is not reachable after {timeout}s: "
+                                 f"{exc.code().name}: {details}{hint}") from None
+        # It answered: it became reachable just now.
 
-    def info(self) -> pb.InfoReply:
-        return self._call("Info", self.stub.Info, pb.InfoRequest())
+    def info(self, timeout: float | None = None) -> pb.InfoReply:
+        return self._call("Info", self.stub.Info, pb.InfoRequest(), timeout)
 
     def has_artifact(self, digest: str) -> bool:
         return self._call("HasArtifact", self.stub.HasArtifact,

@@ -4,6 +4,9 @@ A frame's tensors go through the codec. When they exceed one message's budget th
 over several ``Frame`` messages that share (pipeline, session, step, request); all but the last
 carry ``last_chunk=False``. Messages of different frames never interleave on one stream, so a
 receiver needs only one :class:`FrameAssembler` per stream.
+
+Errors: malformed bytes raise :class:`CodecError`; a frame over a limit of its
+:class:`FrameAssembler` raises :class:`LimitError`.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from jaxdist import codec, protowire
-from jaxdist.errors import CodecError
+from jaxdist.errors import CodecError, LimitError
 from jaxdist.proto import jaxdist_pb2 as pb
 
 __all__ = ["EventView", "FrameAssembler", "FrameHeader", "FrameView", "error_frame", "header_of",
@@ -92,6 +96,10 @@ class FrameView:
         self.chunks = chunks
 
 
+def _malformed(what: str, data: bytes, exc: DecodeError) -> CodecError:
+    return CodecError(f"malformed {what} ({len(data)} bytes): {exc}")
+
+
 def _scan_frame(view: memoryview, start: int, end: int) -> FrameView:
     head: list[memoryview] = []
     chunks: list[codec.Chunk] = []
@@ -100,13 +108,24 @@ def _scan_frame(view: memoryview, start: int, end: int) -> FrameView:
             chunks.append(codec.parse_tensor(view, value, value_end))
         else:
             head.append(view[field_start:value_end])
-    return FrameView(pb.Frame.FromString(b"".join(head)), chunks)
+    data = b"".join(head)
+    try:
+        return FrameView(pb.Frame.FromString(data), chunks)
+    except DecodeError as exc:
+        raise _malformed("Frame header fields", data, exc) from None
 
 
 def parse_frame(data: bytes) -> FrameView:
-    """Deserialize a ``Frame`` (the ``Push`` stream's request deserializer)."""
+    """Deserialize a ``Frame`` (the ``Push`` stream's request deserializer).
+
+    Raises:
+        CodecError: malformed bytes.
+    """
     if len(data) < SCAN_MIN_BYTES:
-        msg = pb.Frame.FromString(data)
+        try:
+            msg = pb.Frame.FromString(data)
+        except DecodeError as exc:
+            raise _malformed("Frame message", data, exc) from None
         return FrameView(msg, [codec.chunk_of(t) for t in msg.tensors])
     return _scan_frame(memoryview(data), 0, len(data))
 
@@ -122,9 +141,16 @@ class EventView:
 
 
 def parse_event(data: bytes) -> EventView:
-    """Deserialize an ``Event`` (the ``Subscribe`` stream's response deserializer)."""
+    """Deserialize an ``Event`` (the ``Subscribe`` stream's response deserializer).
+
+    Raises:
+        CodecError: malformed bytes.
+    """
     if len(data) < SCAN_MIN_BYTES:
-        msg = pb.Event.FromString(data)
+        try:
+            msg = pb.Event.FromString(data)
+        except DecodeError as exc:
+            raise _malformed("Event message", data, exc) from None
         if msg.WhichOneof("kind") != "result":
             return EventView(msg, None)
         return EventView(msg, FrameView(msg.result, [codec.chunk_of(t)
@@ -137,7 +163,11 @@ def parse_event(data: bytes) -> EventView:
             result = _scan_frame(view, value, value_end)
         else:
             rest.append(view[field_start:value_end])
-    return EventView(pb.Event.FromString(b"".join(rest)), result)
+    data = b"".join(rest)
+    try:
+        return EventView(pb.Event.FromString(data), result)
+    except DecodeError as exc:
+        raise _malformed("Event fields", data, exc) from None
 
 
 def serialize(msg: bytes | pb.Frame | pb.Event) -> bytes:
@@ -161,12 +191,13 @@ class FrameAssembler:
     """Joins the messages of one frame. Feed messages in order with :meth:`add`.
 
     Args:
-        max_bytes: largest tensor accepted (protects memory from a hostile sender).
-        max_tensors: most tensors accepted in one frame.
+        max_bytes: largest tensor accepted (protects memory from a hostile sender); ``None``:
+            no limit.
+        max_tensors: most tensors accepted in one frame; ``None``: no limit.
     """
 
-    max_bytes: int | None = None
-    max_tensors: int | None = None
+    max_bytes: int | None = codec.DEFAULT_MAX_TENSOR_BYTES
+    max_tensors: int | None = codec.DEFAULT_MAX_TENSORS
     _header: FrameHeader | None = field(default=None, init=False)
     _asm: codec.TensorAssembler | None = field(default=None, init=False)
 
@@ -178,7 +209,11 @@ class FrameAssembler:
 
         Raises:
             CodecError: a message of another frame arrived before this one ended, or the tensors
-                are malformed. The assembler is reset, so the stream can go on.
+                are malformed.
+            LimitError: a tensor is over ``max_bytes``, or the frame has more than
+                ``max_tensors`` tensors.
+
+            Either way the assembler is reset, so the stream can go on.
         """
         if isinstance(msg, FrameView):
             chunks, msg = msg.chunks, msg.msg
@@ -200,9 +235,10 @@ class FrameAssembler:
             if not msg.last_chunk:
                 return None
             tensors = asm.finish()
-        except CodecError as exc:
+        except (CodecError, LimitError) as exc:
             self.reset()
-            raise CodecError(f"session {header.session_id!r} step {header.step}: {exc}") from None
+            raise type(exc)(f"session {header.session_id!r} step {header.step}: {exc}",
+                            code=exc.code) from None
         self.reset()
         return header, tensors
 

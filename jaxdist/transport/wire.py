@@ -8,20 +8,33 @@ of the received bytes. Each protobuf object on the way would cost a full copy of
 the same ``Frame`` and ``Event`` messages protobuf writes: any gRPC client of ``jaxdist.v1``
 still talks to a worker.
 
+A request that does not parse is answered ``INVALID_ARGUMENT`` (:class:`CodecError`, from
+:func:`parse_request` or :func:`frames.parse_frame`) through the servicer's one status mapping.
+When the deserializer of a unary request raises, grpc answers ``UNKNOWN`` before the servicer
+runs, so those requests (``LoadStage``, ``Info``, ``Subscribe``, ...) reach the servicer as the
+received bytes and it parses them; the requests of a client stream are parsed by grpc, and a
+failure surfaces where the servicer iterates over them.
+
 The method table comes from the service descriptor (the ``.proto``), never from hand-written
 paths; the generated ``*_pb2_grpc.py`` is used for everything else.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
+from jaxdist.errors import CodecError
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.transport import frames
 
-__all__ = ["PUSH", "SUBSCRIBE", "add_worker_servicer", "push_method", "subscribe_method"]
+__all__ = ["PUSH", "SUBSCRIBE", "add_worker_servicer", "parse_request", "push_method",
+           "request_class", "subscribe_method"]
+
+M = TypeVar("M", bound=Message)
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Worker"]
 PUSH = _SERVICE.methods_by_name["Push"]
@@ -53,17 +66,42 @@ _HANDLER_KINDS = {
 }
 
 
+def request_class(method_name: str) -> type[Message] | None:
+    """The request message class of a worker method whose request reaches the servicer as
+    bytes (see the module docstring); ``None`` for a client stream, whose requests arrive
+    parsed."""
+    method = _SERVICE.methods_by_name[method_name]
+    return None if method.client_streaming else getattr(pb, method.input_type.name)
+
+
+def parse_request(cls: type[M], data: bytes) -> M:
+    """Parse the bytes of a unary call's request.
+
+    Raises:
+        CodecError: the bytes are not a ``cls`` message.
+    """
+    try:
+        return cls.FromString(data)
+    except DecodeError as exc:
+        raise CodecError(f"malformed {cls.DESCRIPTOR.name} ({len(data)} bytes): {exc}") from None
+
+
 def add_worker_servicer(servicer: Any, server: grpc.Server | grpc.aio.Server) -> None:
     """Serve every method of the worker service from ``servicer`` (one method per RPC, by the
-    RPC's name), the data-plane streams with the (de)serializers of :mod:`frames`."""
+    RPC's name), the data-plane streams with the (de)serializers of :mod:`frames`.
+
+    Methods with a unary request get its bytes (:func:`request_class`): ``servicer`` parses
+    them with :func:`parse_request`."""
     handlers = {}
     for method in _SERVICE.methods:
         request = getattr(pb, method.input_type.name)
         response = getattr(pb, method.output_type.name)
         kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = kind(getattr(servicer, method.name),
-                                     request_deserializer=request.FromString,
-                                     response_serializer=response.SerializeToString)
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=(functools.partial(parse_request, request)
+                                  if method.client_streaming else None),
+            response_serializer=response.SerializeToString)
     handlers[PUSH.name] = handlers[PUSH.name]._replace(request_deserializer=frames.parse_frame)
     handlers[SUBSCRIBE.name] = handlers[SUBSCRIBE.name]._replace(
         response_serializer=frames.serialize)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import json
+import math
+import mmap
 import os
 import re
 import threading
@@ -18,16 +19,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import ml_dtypes
 import numpy as np
 
 from jaxdist.errors import WeightError
-from jaxdist.quant import PACKABLE_TYPES, packed_shape
+from jaxdist.quant import PACKABLE_TYPES, dequantize, packed_shape
 from jaxdist.weights.gguf import GGUFFile
 from jaxdist.weights.rawfile import file_bytes, read_raw
-from jaxdist.weights.safetensors import SafetensorsFile, find_checkpoint, read_index
+from jaxdist.weights.safetensors import SafetensorsFile, find_checkpoint, read_config, read_index
 from jaxdist.weights.uri import WeightInfo, WeightURI, parse_uri, resolve_path
 
 __all__ = ["WeightCache", "WeightInfo"]
@@ -70,6 +71,62 @@ def _family(dt: np.dtype[Any]) -> str:
     return {"i": "int", "u": "int", "b": "bool"}.get(dt.kind, dt.kind)
 
 
+BIND_BLOCK_BYTES = 4 << 20
+""":meth:`WeightCache.load` converts a tensor in blocks of rows of about this many bytes (as
+float32), so that it holds one block's temporaries at a time (dequantizing makes several
+float32 arrays the size of its input) besides the result, never a whole tensor's."""
+
+_ALIGN = 64  # XLA:CPU uses a host buffer in place only at this alignment
+
+
+def _aligned_empty(shape: tuple[int, ...], dt: np.dtype[Any]) -> np.ndarray:
+    """An uninitialized C-contiguous array on a 64-byte boundary, so that
+    ``jax.device_put(a, cpu_device, may_alias=True)`` takes it as the device buffer, no copy."""
+    nbytes = math.prod(shape) * dt.itemsize
+    buf = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -buf.ctypes.data % _ALIGN
+    return buf[start:start + nbytes].view(dt).reshape(shape)
+
+
+def _drop_pages(view: np.ndarray) -> None:
+    """``MADV_DONTNEED`` the pages of a memory map behind ``view``.
+
+    The pages are clean file pages: they leave this process's resident set (and stop counting in
+    its RSS) but stay in the page cache; reading the range again faults them back in from the
+    file. Does nothing for arrays that are not views of an ``mmap`` or where madvise is missing.
+    """
+    base: Any = view
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    if base is None or view.nbytes == 0 or not hasattr(base, "madvise"):
+        return
+    start = view.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
+    page = start - start % mmap.PAGESIZE
+    base.madvise(mmap.MADV_DONTNEED, page, start + view.nbytes - page)
+
+
+def _check_cast(src: np.dtype[Any], dt: np.dtype[Any], where: str) -> None:
+    """Refuse a cast across families (float <-> int/bool); see :func:`_convert`."""
+    if src != dt and _family(src) != _family(dt):
+        raise WeightError(
+            f"{where}: dtype mismatch: expected {dt.name}, found {src.name}; "
+            f"a {_family(src)} tensor is not converted to {_family(dt)} implicitly, "
+            f"fix the dtype in the spec"
+        )
+
+
+def _check_int_range(arr: np.ndarray, dt: np.dtype[Any], where: str) -> None:
+    """Refuse a narrowing integer cast when the values do not fit; see :func:`_convert`."""
+    if _family(dt) == "int" and not np.can_cast(arr.dtype, dt) and arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        info = np.iinfo(dt)
+        if lo < info.min or hi > info.max:
+            raise WeightError(
+                f"{where}: dtype mismatch: expected {dt.name}, found {arr.dtype.name} values in "
+                f"[{lo}, {hi}] that {dt.name} cannot hold; widen the dtype in the spec"
+            )
+
+
 def _convert(arr: np.ndarray, dt: np.dtype[Any], *, transpose: bool, where: str) -> np.ndarray:
     """Transpose (reverse axes) and cast in one copy; no copy at all when neither is needed.
 
@@ -79,20 +136,8 @@ def _convert(arr: np.ndarray, dt: np.dtype[Any], *, transpose: bool, where: str)
     src = arr.T if transpose else arr
     if arr.dtype == dt:
         return np.ascontiguousarray(src) if transpose else np.asarray(src)
-    if _family(arr.dtype) != _family(dt):
-        raise WeightError(
-            f"{where}: dtype mismatch: expected {dt.name}, found {arr.dtype.name}; "
-            f"a {_family(arr.dtype)} tensor is not converted to {_family(dt)} implicitly, "
-            f"fix the dtype in the spec"
-        )
-    if _family(dt) == "int" and not np.can_cast(arr.dtype, dt) and arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        info = np.iinfo(dt)
-        if lo < info.min or hi > info.max:
-            raise WeightError(
-                f"{where}: dtype mismatch: expected {dt.name}, found {arr.dtype.name} values in "
-                f"[{lo}, {hi}] that {dt.name} cannot hold; widen the dtype in the spec"
-            )
+    _check_cast(arr.dtype, dt, where)
+    _check_int_range(arr, dt, where)
     return np.array(src, dtype=dt, order="C")
 
 
@@ -314,6 +359,10 @@ class WeightCache:
         GGUF: its key/value metadata (see :func:`weights.gguf.metadata`). Safetensors (a file, an
         index or a directory): the ``config.json`` beside it, if any, under ``"config"``, plus the
         header's ``__metadata__`` strings.
+
+        Raises:
+            WeightError: path outside the roots (the ``config.json`` too), missing, or a malformed
+                header, ``__metadata__`` or ``config.json``.
         """
         text = os.fspath(path)
         u = parse_uri(text) if "://" in text else WeightURI(self._guess_scheme(text), text)
@@ -325,7 +374,7 @@ class WeightCache:
         out: dict[str, Any] = {}
         config = real.parent / "config.json"
         if config.is_file():
-            out["config"] = json.loads(config.read_text())
+            out["config"] = read_config(resolve_path(config, self._roots, uri=text))
         if real.suffix != ".json":
             out.update(self._open(real, SafetensorsFile).metadata)
         return out
@@ -362,8 +411,10 @@ class WeightCache:
             quant: the expected stored GGML type (``"Q4_1"``, ``"F16"``), checked when given.
 
         Returns:
-            A C-contiguous array of ``shape`` and ``dtype`` (a read-only file view when no copy
-            was needed).
+            A new C-contiguous array of ``shape`` and ``dtype``, on a 64-byte boundary (so
+            ``jax.device_put(a, cpu, may_alias=True)`` uses it in place), never a view of the
+            file. The file pages it was read from are released (``MADV_DONTNEED``): they leave
+            this process's RSS and stay in the page cache.
 
         Raises:
             WeightError: any mismatch; the message names ``param``, the URI, expected and found.
@@ -393,9 +444,41 @@ class WeightCache:
         if found != want:
             note = f" (stored {info.shape}, transpose=True)" if transpose else ""
             raise WeightError(f"{where}: shape mismatch: expected {want}, found {found}{note}")
-        arr = self._natural(loc, info.shape, dt)
-        out = _convert(arr, dt, transpose=transpose, where=where)
+        out = self._bind(loc, info, dt, transpose, where)
         logger.debug("bound %s: %s %s", where, out.dtype.name, out.shape)
+        return out
+
+    def _bind(self, loc: _Located, info: WeightInfo, dt: np.dtype[Any], transpose: bool,
+              where: str) -> np.ndarray:
+        """Read, dequantize, transpose and cast a tensor into a new aligned array, in blocks of
+        rows (:data:`BIND_BLOCK_BYTES`), releasing each block's file pages once it is read."""
+        shape = info.shape
+        out = _aligned_empty(shape[::-1] if transpose else shape, dt)
+        dest = out.T if transpose else out  # indexed like the stored tensor
+        qtype = info.quant
+        if qtype is not None and qtype in PACKABLE_TYPES and len(shape) >= 2:
+            _check_cast(np.dtype(np.float32), dt, where)
+            stored = self._stored(loc).reshape(packed_shape(qtype, shape))
+
+            def block(i: int, j: int) -> np.ndarray:
+                return dequantize(stored[i:j], qtype, (j - i, *shape[1:]))
+        else:  # plain types: a view of the file; the rare gguf.quants types: whole, at once
+            stored = self._natural(loc, shape, dt)
+            _check_cast(stored.dtype, dt, where)
+            _check_int_range(stored, dt, where)
+
+            def block(i: int, j: int) -> np.ndarray:
+                return stored[i:j]
+        if len(shape) < 2:  # small (norms, biases), or a scalar
+            dest[...] = stored
+        else:
+            step = max(1, BIND_BLOCK_BYTES // max(1, 4 * math.prod(shape[1:])))
+            for i in range(0, shape[0], step):
+                j = min(i + step, shape[0])
+                dest[i:j] = block(i, j)
+                _drop_pages(stored[i:j])
+        if loc.reader is not None:  # what the checksum or the header checks read
+            _drop_pages(self._stored(loc))
         return out
 
     def _verify(self, loc: _Located, sha256: str, where: str) -> None:
@@ -443,10 +526,24 @@ class WeightCache:
                 f"of logical shape {info.shape})"
             )
         raw = np.asarray(self._stored(loc)).reshape(found)
+        out = _aligned_empty(found, dt)
+        out[...] = raw
+        _drop_pages(raw)
         logger.debug("bound %s packed: %s %s", where, stype, found)
-        return raw
+        return out
 
     # -- lifetime ---------------------------------------------------------------------------
+
+    def drop_readers(self) -> None:
+        """Forget the parsed files and their memory maps, but stay usable.
+
+        A worker calls this once a stage is bound: the maps (and the header pages and parsed
+        metadata they hold) go once no array views of them remain, and the next bind parses the
+        files again. Unlike :meth:`close`, later calls resolve weights as before.
+        """
+        with self._lock:
+            self._readers.clear()
+            self._indexes.clear()
 
     def close(self) -> None:
         """Drop every reader. Arrays already returned stay valid (they keep their maps alive)."""
@@ -457,7 +554,7 @@ class WeightCache:
             self._indexes.clear()
             self._closed = True
 
-    def __enter__(self) -> WeightCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -25,7 +25,7 @@ import numpy as np
 from jaxdist.errors import WeightError
 from jaxdist.weights.uri import WeightInfo
 
-__all__ = ["INDEX_NAME", "SafetensorsFile", "find_checkpoint", "read_index"]
+__all__ = ["INDEX_NAME", "SafetensorsFile", "find_checkpoint", "read_config", "read_index"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +80,22 @@ class SafetensorsFile:
             raise WeightError(f"safetensors file '{self.path}' could not be read: {exc}") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self._bad(f"the header is not JSON ({exc})") from exc
+        except RecursionError:
+            raise self._bad("the header JSON is nested too deeply to parse") from None
         if not isinstance(header, dict):
             raise self._bad(f"the header is a {type(header).__name__}, expected an object")
         self._data_start = 8 + n
         data_len = size - self._data_start
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict) or not all(
+            isinstance(v, str) for v in metadata.values()
+        ):
+            raise self._bad(
+                f"'__metadata__' must be an object of strings, found {_show(metadata)}"
+            )
+        self.metadata: dict[str, str] = metadata
         self._infos: dict[str, WeightInfo] = {}
         self._offsets: dict[str, tuple[int, int]] = {}
         for name, entry in header.items():
@@ -97,17 +108,29 @@ class SafetensorsFile:
         )
 
     def _parse_entry(self, name: str, entry: Any, data_len: int) -> WeightInfo:
-        try:
-            dtype = _DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except KeyError as exc:
-            known = ", ".join(_DTYPES)
+        if not isinstance(entry, dict):
             raise self._bad(
-                f"tensor '{name}': missing field or unknown dtype {exc} (supported: {known})"
-            ) from exc
-        except (TypeError, ValueError) as exc:
-            raise self._bad(f"tensor '{name}': bad entry {entry!r}") from exc
+                f"tensor '{name}': expected an object with dtype, shape and data_offsets, "
+                f"found {_show(entry)}"
+            )
+        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+        if missing:
+            raise self._bad(f"tensor '{name}': missing field {', '.join(map(repr, missing))}")
+        dtype_name = entry["dtype"]
+        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            raise self._bad(
+                f"tensor '{name}': unknown dtype {_show(dtype_name)} (supported: "
+                f"{', '.join(_DTYPES)})"
+            )
+        shape = self._naturals(name, entry, "shape")
+        offsets = self._naturals(name, entry, "data_offsets")
+        if len(offsets) != 2:
+            raise self._bad(
+                f"tensor '{name}': 'data_offsets' must be [begin, end], found "
+                f"{_show(list(offsets))}"
+            )
+        begin, end = offsets
         nbytes = math.prod(shape) * dtype.itemsize
         if not 0 <= begin <= end <= data_len or end - begin != nbytes:
             raise self._bad(
@@ -116,6 +139,17 @@ class SafetensorsFile:
             )
         self._offsets[name] = (begin, end)
         return WeightInfo(name, shape, dtype.name, None, nbytes, self.path)
+
+    def _naturals(self, name: str, entry: dict[str, Any], key: str) -> tuple[int, ...]:
+        """``entry[key]`` as a tuple, which must be a list of non-negative JSON integers (a float
+        such as ``1e999`` or ``2.0``, a bool or a string is refused, not converted)."""
+        value = entry[key]
+        if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+            raise self._bad(
+                f"tensor '{name}': '{key}' must be a list of non-negative integers, found "
+                f"{_show(value)}"
+            )
+        return tuple(value)
 
     def names(self) -> list[str]:
         """Tensor names in header order."""
@@ -129,7 +163,7 @@ class SafetensorsFile:
         """
         info = self._infos.get(name)
         if info is None:
-            from difflib import get_close_matches  # noqa: PLC0415 - only on the error path
+            from difflib import get_close_matches  # only on the error path
 
             close = get_close_matches(name, self._infos, n=3)
             hint = f"; close matches: {close}" if close else ""
@@ -164,6 +198,12 @@ class SafetensorsFile:
         self._map = None
 
 
+def _show(value: Any, limit: int = 60) -> str:
+    """A JSON value for an error message, shortened when long."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _dtype_by_name(name: str) -> np.dtype[Any]:
     for dtype in _DTYPES.values():
         if dtype.name == name:
@@ -185,6 +225,10 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, str]:
             index = json.load(f)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise WeightError(f"safetensors index '{path}' could not be read: {exc}") from exc
+    except RecursionError:
+        raise WeightError(
+            f"safetensors index '{path}' could not be read: its JSON is nested too deeply"
+        ) from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -194,6 +238,31 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, str]:
             f"shard files, found {type(weight_map).__name__}"
         )
     return dict(weight_map)
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read the ``config.json`` of a checkpoint (a JSON object, returned as is).
+
+    Raises:
+        WeightError: the file cannot be read, is not UTF-8 JSON, or is not a JSON object.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise WeightError(
+            f"checkpoint config '{path}' could not be read: {exc}; fix or remove the file"
+        ) from exc
+    except RecursionError:
+        raise WeightError(
+            f"checkpoint config '{path}' could not be read: its JSON is nested too deeply"
+        ) from None
+    if not isinstance(config, dict):
+        raise WeightError(
+            f"checkpoint config '{path}': expected a JSON object, found "
+            f"{type(config).__name__}; fix or remove the file"
+        )
+    return config
 
 
 def find_checkpoint(directory: Path) -> Path:

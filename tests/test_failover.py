@@ -1,0 +1,229 @@
+"""Faults: a killed or frozen worker is named within the deadline, and with spare workers the
+pipeline fails over and generation finishes with the output of a run with no fault.
+
+Real worker processes, real signals: SIGKILL for a dead worker, SIGSTOP for a frozen one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxdist.coordinator import Cluster
+from jaxdist.errors import RemoteStageError, TransportError
+from models import mlp, mlp_reference
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxdist.exporters.llama import llama_model  # noqa: E402
+from jaxdist.generation import Generator, SamplingParams  # noqa: E402
+
+PROMPTS = [[5, 17, 99, 3], [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180, 7], [42], [100, 101, 102]]
+LENGTHS = [20, 16, 24, 12]
+MAX_SLOTS, MAX_SEQ = 4, 64
+
+
+def _x(b: int = 4) -> np.ndarray:
+    return np.random.default_rng(7).standard_normal((b, 32)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, object]:
+    root = tmp_path_factory.mktemp("failover")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, initializer_range=0.1,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(root / "llama", safe_serialization=True)
+    return root, hf
+
+
+def _hf_greedy(hf: object, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                          min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def _generator(pipe: object, model: object, depth: int) -> Generator:
+    return Generator(pipe, input_dtypes={k: v[1] for k, v in model.inputs.items()},
+                     max_slots=MAX_SLOTS, max_seq=MAX_SEQ, prefill_buckets=(8,), depth=depth)
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, ignore_eos=True) for n in LENGTHS]
+
+
+def test_killed_worker_is_named_within_5s(mlp_root):
+    with Cluster.local(2, weights_roots=[str(mlp_root)]) as cluster:
+        victim = cluster.local_workers[1]
+        with cluster.deploy(mlp(), stages=2) as pipe:
+            pipe.call(x=_x())
+            victim.process.send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RemoteStageError) as err:
+                while True:  # the first steps may still finish; the kill lands between steps
+                    pipe.call(x=_x(), timeout=30)
+            elapsed = time.monotonic() - t0
+    assert err.value.stage == 1 and err.value.address == victim.address
+    assert victim.address in str(err.value) and "stage 1" in str(err.value)
+    # The product's promise (heartbeat_timeout defaults to 5 s), not a speed measurement.
+    assert elapsed < 5.0, f"the dead worker was named after {elapsed:.1f}s"
+
+
+def test_recover_moves_the_dead_workers_stage_to_a_spare(mlp_root):
+    with Cluster.local(2, weights_roots=[str(mlp_root)], spares=1) as cluster:
+        victim = cluster.local_workers[1]
+        spare = cluster.spares[0]
+        with cluster.deploy(mlp(), stages=2) as pipe:
+            want = mlp_reference(mlp_root, _x())
+            np.testing.assert_allclose(pipe.call(x=_x())["x"], want, rtol=1e-5, atol=1e-5)
+            victim.process.send_signal(signal.SIGKILL)
+            with pytest.raises(RemoteStageError, match=victim.address):
+                while True:
+                    pipe.call(x=_x(), timeout=30)
+            (moved,) = pipe.recover()
+            assert (moved.stages, moved.failed, moved.spare) == ((1,), victim.address, spare)
+            assert [c.address for c in pipe.clients] == [cluster.local_workers[0].address, spare]
+            assert cluster.spares == [] and spare in cluster.addresses
+            np.testing.assert_allclose(pipe.call(x=_x())["x"], want, rtol=1e-5, atol=1e-5)
+            assert pipe.specs[0].next_hop == spare
+
+
+def test_recover_without_a_spare_says_so_and_stays_broken(mlp_root):
+    with Cluster.local(2, weights_roots=[str(mlp_root)]) as cluster:
+        victim = cluster.local_workers[0]
+        with cluster.deploy(mlp(), stages=2) as pipe:
+            pipe.call(x=_x())
+            victim.process.send_signal(signal.SIGKILL)
+            with pytest.raises(RemoteStageError):
+                while True:
+                    pipe.call(x=_x(), timeout=30)
+            with pytest.raises(TransportError, match=f"{victim.address} is dead and no spare"):
+                pipe.recover()
+            with pytest.raises(TransportError, match="no spare"):
+                pipe.call(x=_x())
+
+
+def test_frozen_worker_fails_over_to_a_spare(mlp_root):
+    with Cluster.local(2, weights_roots=[str(mlp_root)], spares=1,
+                       heartbeat_timeout=2) as cluster:
+        victim = cluster.local_workers[0]
+        with cluster.deploy(mlp(), stages=2) as pipe:
+            want = mlp_reference(mlp_root, _x())
+            pipe.call(x=_x())
+            victim.process.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(RemoteStageError, match="no heartbeat") as err:
+                    pipe.call(x=_x(), timeout=30)
+                assert err.value.address == victim.address
+                (moved,) = pipe.recover()
+                assert moved.failed == victim.address and moved.stages == (0,)
+                np.testing.assert_allclose(pipe.call(x=_x())["x"], want, rtol=1e-5, atol=1e-5)
+            finally:
+                victim.process.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("victim_index,depth", [(1, 2), (0, 1)])
+def test_generation_survives_a_killed_worker_with_identical_output(tiny_llama, victim_index,
+                                                                   depth):
+    """Kill a worker mid-generation: the stages move to the spare, the steps are replayed, and
+    every sequence comes out as in the run with no fault (and as transformers says)."""
+    root, hf = tiny_llama
+    model = llama_model("llama", roots=[root], max_slots=MAX_SLOTS, max_seq=MAX_SEQ,
+                        prefill_buckets=(8,))
+    model = dataclasses.replace(model, buckets=())
+    with Cluster.local(2, weights_roots=[str(root)], spares=1) as cluster:
+        pipe = cluster.deploy(model, stages=2)
+        gen = _generator(pipe, model, depth)
+        clean = [r.tokens for r in gen.run(PROMPTS, _params())]
+
+        victim = cluster.local_workers[victim_index]
+        produced = []
+        lock = threading.Lock()
+
+        def on_token(i: int, token: int) -> None:
+            with lock:
+                produced.append((i, token))
+                if len(produced) == 25:  # mid-decode, several sequences active
+                    victim.process.send_signal(signal.SIGKILL)
+
+        faulted = gen.run(PROMPTS, _params(), on_token=on_token)
+        assert victim.process.wait(timeout=10) == -signal.SIGKILL
+        assert len(pipe.failovers) == 1
+        assert pipe.failovers[0].failed == victim.address
+        assert [r.tokens for r in faulted] == clean
+        # Streaming saw every token exactly once, in order, despite the replay.
+        for i, r in enumerate(faulted):
+            assert [t for j, t in produced if j == i] == r.tokens
+        # And the pipeline keeps working after the failover.
+        assert [r.tokens for r in gen.run(PROMPTS[:2], _params()[:2])] == clean[:2]
+    for prompt, n, tokens in zip(PROMPTS, LENGTHS, clean):
+        assert tokens == _hf_greedy(hf, prompt, n)
+
+
+@pytest.mark.parametrize("victim_index", [0, 1])
+def test_generation_without_spares_fails_naming_the_worker_within_5s(tiny_llama, victim_index):
+    root, _ = tiny_llama
+    model = llama_model("llama", roots=[root], max_slots=MAX_SLOTS, max_seq=MAX_SEQ,
+                        prefill_buckets=(8,))
+    model = dataclasses.replace(model, buckets=())
+    with Cluster.local(2, weights_roots=[str(root)]) as cluster:
+        pipe = cluster.deploy(model, stages=2)
+        gen = _generator(pipe, model, 1)
+        victim = cluster.local_workers[victim_index]
+        count = [0]
+        killed_at = [0.0]
+
+        def on_token(_i: int, _t: int) -> None:
+            count[0] += 1
+            if count[0] == 5:
+                victim.process.send_signal(signal.SIGKILL)
+                killed_at[0] = time.monotonic()
+
+        with pytest.raises(RemoteStageError, match=victim.address) as err:
+            gen.run(PROMPTS, _params(), on_token=on_token)
+        elapsed = time.monotonic() - killed_at[0]
+    assert err.value.stage == victim_index and err.value.address == victim.address
+    assert any("no spare" in note for note in getattr(err.value, "__notes__", []))
+    # The product's promise (heartbeat_timeout defaults to 5 s), not a speed measurement.
+    assert elapsed < 5.0, f"the dead worker was named after {elapsed:.1f}s"
+
+
+def test_connect_checks_spares_and_cli_spares_option(mlp_root):
+    import argparse
+
+    from jaxdist.cli.common import add_cluster_args, open_cluster
+    from jaxdist.errors import JaxdistError
+    from jaxdist.local import spawn_workers, stop_workers
+
+    parser = argparse.ArgumentParser()
+    add_cluster_args(parser)
+    workers = spawn_workers(3, weights_roots=[str(mlp_root)])
+    try:
+        a, b, c = (w.address for w in workers)
+        opts = parser.parse_args(["--workers", f"{a},{b}", "--spares", c])
+        with open_cluster(opts, [mlp_root]) as cluster:
+            assert cluster.addresses == [a, b] and cluster.spares == [c]
+        with pytest.raises(JaxdistError, match="give the spares' addresses"):
+            with open_cluster(parser.parse_args(["--workers", a, "--spares", "1"]), []):
+                pass
+        with pytest.raises(JaxdistError, match="give a number of spare workers"):
+            with open_cluster(parser.parse_args(["--local", "1", "--spares", c]), []):
+                pass
+        with pytest.raises(TransportError, match="both as workers and as spares"):
+            Cluster([a, b], spares=[b])
+        stop_workers(workers[2:])
+        with pytest.raises(TransportError, match=c):
+            Cluster.connect([a, b], spares=[c], wait=2)
+    finally:
+        stop_workers(workers)
