@@ -31,11 +31,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from jaxdist.errors import SpecError
 from jaxdist.exporters import layers
 from jaxdist.exporters.source import Source, WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
+
+from jaxdist.errors import SpecError
 from jaxdist.exporting import LoadedModel
 from jaxdist.generation import step_buckets
 from jaxdist.model import Model, Param, Unit
@@ -291,7 +291,7 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
     wte = w.param("wte", (cfg.vocab, d))
     units = [Unit("embed", _embed, {"wte": wte, "wpe": w.param("wpe", (cfg.max_position, d))})]
     block_fn = functools.partial(_block, cfg)
-    cache_shape = ((max_slots, max_seq, cfg.n_heads, cfg.head_dim), dtype)
+    cache_shape = (layers.cache_shape(max_slots, max_seq, cfg.n_heads, cfg.head_dim), dtype)
     for i in range(cfg.n_layers):
         p = {"ln1_w": w.param("ln1_w", (d,), i), "ln1_b": w.param("ln1_b", (d,), i),
              "w_qkv": w.param("w_qkv", (d, 3 * d), i), "b_qkv": w.param("b_qkv", (3 * d,), i),

@@ -43,11 +43,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jaxdist.errors import SpecError
 from jaxdist.exporters import layers
 from jaxdist.exporters.source import WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
+
+from jaxdist.errors import SpecError
 from jaxdist.exporting import LoadedModel
 from jaxdist.generation import step_buckets
 from jaxdist.model import Model, Unit
@@ -344,7 +344,7 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
         high_freq_factor=cfg.rope_high_freq_factor,
         original_max_position=cfg.rope_original_max_position)
     block_fn = functools.partial(_block, cfg, inv_freq)
-    cache_shape = ((max_slots, max_seq, cfg.n_kv_heads, hd), dtype)
+    cache_shape = (layers.cache_shape(max_slots, max_seq, cfg.n_kv_heads, hd), dtype)
     for i in range(cfg.n_layers):
         p = {"attn_norm": w.param("attn_norm", (d,), i),
              "wq": w.param("wq", (d, q_dim), i, transpose=True),

@@ -296,6 +296,23 @@ def test_sampling_distribution_matches_hf_warpers() -> None:
     np.testing.assert_allclose(freq, want, atol=0.015)
 
 
+def test_greedy_matches_numpy_argmax_on_ties_and_nan() -> None:
+    """Greedy picks numpy's argmax: the first of tied maxima, the first NaN, +-inf rows."""
+    rng = np.random.default_rng(3)
+    z = rng.standard_normal((6, 300)).astype(np.float32)
+    z[0, [40, 7, 250]] = 9.0                      # ties: the first index wins
+    z[1, [12, 90]] = np.nan                       # NaN beats everything, first NaN wins
+    z[2] = -np.inf
+    z[3, [5, 6]] = np.inf
+    z[4, -1] = 50.0                               # the last index
+    n = len(z)
+    fn = jax.jit(layers.sample_tokens)
+    got = np.asarray(fn(z, np.zeros(n, np.float32), np.zeros(n, np.int32),
+                        np.ones(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32)))
+    np.testing.assert_array_equal(got, np.argmax(z, axis=-1))
+    assert list(got[:5]) == [7, 12, 0, 5, 299]
+
+
 # ---------------------------------------------------------------------------------------------
 # Real model: SmolLM2-135M-Instruct (Q4_1/Q8_0 GGUF, tied embeddings)
 
