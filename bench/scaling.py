@@ -20,7 +20,10 @@ Both clusters stay up for the whole run. ``pipe.stream(batches, depth=8)`` pushe
 times, so drift of a shared machine hits both alike. Throughput is microbatches/s (and GFLOP/s),
 median over the rounds; the headline is ``microbatch_scaling_2w`` = 2w / 1w at ``BATCH`` rows
 (537 MFLOP), target >= 1.7x. The detail reports the CPU each process spent per microbatch (the
-coordinator's own use from ``getrusage``, the workers' from ``/proc``).
+coordinator's own use from ``getrusage``, the workers' from ``/proc/PID/task/*/schedstat``),
+the CPU the control processes below spent on the same layers (``compute_cpu_ms_per_microbatch``)
+and the difference, what a worker spends per frame beyond the compute
+(``worker_cpu_beyond_compute_ms_per_microbatch``: gRPC, codec, queues, dispatch).
 
 Two sweeps, fewer runs each:
 
@@ -144,10 +147,22 @@ def _reference(ws: dict[str, Any], x: Any) -> Any:
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds a process has run, all its threads, in nanoseconds' resolution.
+
+    The sum of each thread's ``/proc/PID/task/TID/schedstat`` run time. (``utime + stime`` in
+    ``/proc/PID/stat`` count in 10 ms ticks: too coarse for a fraction of a millisecond per
+    microbatch over a run of a second.) A thread that ends during a run drops out of the sum;
+    a worker's threads (gRPC's, the loop, the egress pool) live as long as the worker.
+    """
+    total = 0
+    task = f"/proc/{pid}/task"
+    for tid in os.listdir(task):
+        try:
+            with open(f"{task}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended meanwhile
+    return total / 1e9
 
 
 def _machine_busy_s() -> float:
@@ -159,7 +174,7 @@ def _machine_busy_s() -> float:
 
 
 def _self_cpu_s() -> float:
-    u = resource.getrusage(resource.RUSAGE_SELF)
+    u = resource.getrusage(resource.RUSAGE_SELF)  # microseconds, ended threads included
     return u.ru_utime + u.ru_stime
 
 
@@ -317,6 +332,7 @@ def run(opts: Any) -> list[dict[str, Any]]:
         raw_procs = [RawCompute(tmp, 0, range(LAYERS)), RawCompute(tmp, 0, range(half)),
                      RawCompute(tmp, 1, range(half, LAYERS))]
         raw1: list[float] = []
+        raw_cpu: list[list[float]] = []  # per round: CPU s per microbatch of each raw process
         raw2: list[float] = []
         for r in range(plan.rounds):
             for cfg in configs if r % 2 == 0 else configs[::-1]:
@@ -325,8 +341,11 @@ def run(opts: Any) -> list[dict[str, Any]]:
                 cfg.coord_cpu.append(coord / len(batches))
                 cfg.worker_cpu.append([w / len(batches) for w in workers])
                 cfg.load.append(c.load())
+            r0 = [_cpu_s(p.proc.pid) for p in raw_procs]
             raw1.append(_raw_rate(raw_procs[:1], len(batches)))
             raw2.append(_raw_rate(raw_procs[1:], len(batches)))
+            raw_cpu.append([(_cpu_s(p.proc.pid) - a) / len(batches)
+                            for p, a in zip(raw_procs, r0)])
             note(f"round {r + 1}/{plan.rounds}: " + ", ".join(
                 f"{x.name} {x.rates[-1]:.1f} mb/s" for x in configs)
                 + f" -> {configs[1].rates[-1] / configs[0].rates[-1]:.2f}x; raw XLA "
@@ -372,6 +391,11 @@ def run(opts: Any) -> list[dict[str, Any]]:
               "depth": DEPTH, "microbatches_per_run": plan.microbatches, "rounds": plan.rounds,
               "xla_flags": XLA_FLAGS, "max_abs_err_vs_numpy": max_err}
 
+    # The compute alone: the CPU the raw processes spent per microbatch on the same layers
+    # (1w: all layers; 2w: each half), to subtract from the workers' CPU.
+    compute = {"1w": [c.median([r[0] for r in raw_cpu]) * 1e3],
+               "2w": [c.median([r[i] for r in raw_cpu]) * 1e3 for i in (1, 2)]}
+
     def detail(cfg: Config) -> dict[str, Any]:
         rate = c.median(cfg.rates)
         coord = c.median(cfg.coord_cpu)
@@ -386,6 +410,11 @@ def run(opts: Any) -> list[dict[str, Any]]:
                 "coordinator_cpu_cores": round(coord * rate, 3),
                 "worker_cpu_ms_per_microbatch": per_worker,
                 "worker_cpu_cores": [round(w * rate / 1e3, 3) for w in per_worker],
+                # the same layers in a plain jax.jit process, CPU per microbatch
+                "compute_cpu_ms_per_microbatch": [round(x, 3) for x in compute[cfg.name]],
+                # what a worker spends per frame beyond the compute (gRPC, codec, queues)
+                "worker_cpu_beyond_compute_ms_per_microbatch": [
+                    round(w - x, 3) for w, x in zip(per_worker, compute[cfg.name])],
                 "depth_sweep_microbatches_per_s": {str(k): round(v, 2)
                                                    for k, v in cfg.sweep.items()},
                 "loadavg_1m_during": [min(cfg.load), max(cfg.load)],
@@ -420,6 +449,9 @@ def run(opts: Any) -> list[dict[str, Any]]:
                     **raw,
                     coordinator_cpu_ms_per_microbatch=detail(two)[
                         "coordinator_cpu_ms_per_microbatch"],
+                    worker_cpu_beyond_compute_ms_per_microbatch={
+                        x.name: detail(x)["worker_cpu_beyond_compute_ms_per_microbatch"]
+                        for x in configs},
                     coordinator_cpu_cores=detail(two)["coordinator_cpu_cores"],
                     other_processes_cpu_cores={x.name: round(c.median(x.others), 3)
                                                for x in configs},

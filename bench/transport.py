@@ -315,9 +315,10 @@ def measure_bandwidth(pipe: Any, chain: RawChain, *, budget_s: float, min_iters:
         x = rng.standard_normal((1, nbytes // 4), dtype=np.float32)
         data = codec.to_bytes("x", x)
         systems: dict[str, tuple[Callable[[], Any], Callable[[Any], bool]]] = {
-            "jaxdist": (lambda: pipe.call({"x": x})["x"], lambda y: bool(np.array_equal(y, x))),
-            "tcp": (lambda: chain.call(x), lambda y: bool(np.array_equal(y, x))),
-            "tcp_wire": (lambda: chain.echo(data), lambda b: b == data),
+            "jaxdist": (lambda x=x: pipe.call({"x": x})["x"],
+                        lambda y, x=x: bool(np.array_equal(y, x))),
+            "tcp": (lambda x=x: chain.call(x), lambda y, x=x: bool(np.array_equal(y, x))),
+            "tcp_wire": (lambda data=data: chain.echo(data), lambda b, data=data: b == data),
         }
         samples: dict[str, list[float]] = {k: [] for k in systems}
         equal: dict[str, bool] = {}

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import grpc
 import numpy as np
@@ -373,7 +373,7 @@ class Pipeline:
         for p in pending:
             p.future.set_exception(TransportError(f"pipeline {self.pipeline_id} was closed"))
 
-    def __enter__(self) -> Pipeline:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -401,7 +401,7 @@ class Session:
             self.pipeline.end_session(self.session_id)
         self.step = 0
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,13 +18,12 @@ where the coordinator *can* send the frame, the case is replayed through the dep
 ``Pipeline`` too and must surface as ``RemoteStageError`` with the same class and message, stage 0
 and this worker's address.
 
-Limits: the worker CLI has no flags for ``max_artifact_bytes``, ``max_frame_tensor_bytes`` or
-``max_tensors_per_frame`` (nor for the custom-call allowlist), so those cases run against the
-``WorkerConfig`` defaults (256 MiB, 1 GiB, 256). Over-limit sizes are *declared* in headers; no
-case sends gigabytes.
+Limits: these cases run against the ``WorkerConfig`` defaults (256 MiB artifacts, 1 GiB per
+tensor, 256 tensors per frame); tests/test_limits.py sets each limit through its worker flag.
+Over-limit sizes are *declared* in headers; no case sends gigabytes.
 
-Cases that reveal a bug are ``xfail(strict=True, raises=CaseMismatch)`` with the bug as the
-reason; the health check still runs (and fails the test for real) for them.
+A case that reveals a bug is marked ``xfail(strict=True, raises=CaseMismatch)`` with the bug as
+the reason until it is fixed; the health check still runs (and fails the test for real) for it.
 """
 
 from __future__ import annotations

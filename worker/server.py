@@ -19,13 +19,12 @@ import threading
 from concurrent import futures
 
 import grpc
+from jaxdist.worker.servicer import WorkerConfig, WorkerServicer
 
 from jaxdist.errors import TransportError
 from jaxdist.transport import wire
 from jaxdist.transport.channel import SERVER_OPTIONS
 from jaxdist.transport.security import ServerAuth
-
-from jaxdist.worker.servicer import WorkerConfig, WorkerServicer
 
 __all__ = ["WorkerServer", "create_server"]
 
