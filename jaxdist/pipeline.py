@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Self
 import grpc
 import numpy as np
 
-from jaxdist.errors import JaxdistError, RemoteStageError, TransportError
+from jaxdist.errors import JaxdistError, LimitError, RemoteStageError, TransportError
 from jaxdist.model import Model
 from jaxdist.spec import StageSpec
 from jaxdist.transport.client import WorkerClient
@@ -155,6 +155,10 @@ class Pipeline:
                         remote_type=e.type, remote_traceback=e.traceback, code=e.code or None))
         except grpc.RpcError as exc:
             self._fail_worker(address, f"{exc.code().name}: {exc.details()}", epoch)
+            return
+        except LimitError as exc:  # a result larger than this coordinator assembles
+            self._fail_worker(address, f"sent a result over the coordinator's limit: {exc}",
+                              epoch)
             return
         except JaxdistError as exc:  # a malformed result frame
             self._fail_worker(address, f"sent a malformed result: {exc}", epoch)

@@ -310,3 +310,13 @@ def test_worker_cli_rejects_bad_listen_address():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--listen expects HOST:PORT, found 'nonsense'" in proc.stderr
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:\u00b2", "127.0.0.1:\u0665\u0660", "127.0.0.1:",
+                                    ":5000", "127.0.0.1:123456"])
+def test_create_server_rejects_bad_listen_before_binding(listen):
+    from jaxdist.worker.server import create_server
+    from jaxdist.worker.servicer import WorkerConfig
+
+    with pytest.raises(TransportError, match="--listen expects HOST:PORT"):
+        create_server(listen, WorkerConfig())

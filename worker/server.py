@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from concurrent import futures
 
 import grpc
-from jaxdist.worker.servicer import WorkerConfig, WorkerServicer
 
 from jaxdist.errors import TransportError
 from jaxdist.transport import wire
 from jaxdist.transport.channel import SERVER_OPTIONS
 from jaxdist.transport.security import ServerAuth
+
+from jaxdist.worker.servicer import WorkerConfig, WorkerServicer
 
 __all__ = ["WorkerServer", "create_server"]
 
@@ -74,7 +76,7 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
     """
     auth = auth or ServerAuth()
     host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port, re.ASCII):
         raise TransportError(f"--listen expects HOST:PORT, found {listen!r}")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="data-plane", daemon=True)

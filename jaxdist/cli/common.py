@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -93,7 +94,7 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
         raise JaxdistError("give either --workers or --local, not both")
     spares = getattr(opts, "spares", "")
     if opts.workers:
-        if spares.isdecimal():
+        if re.fullmatch(r"[0-9]+", spares, re.ASCII):
             raise JaxdistError(f"--spares {spares}: with --workers, give the spares' addresses "
                                f"(HOST:PORT,...); a count is for --local")
         auth = client_auth_of(opts)
@@ -101,7 +102,7 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
                                   metadata=auth.metadata, credentials=auth.credentials,
                                   spares=[a.strip() for a in spares.split(",") if a.strip()])
     else:
-        if spares and not spares.isdecimal():
+        if spares and not re.fullmatch(r"[0-9]{1,3}", spares, re.ASCII):
             raise JaxdistError(f"--spares {spares!r}: with --local, give a number of spare "
                                f"workers to spawn")
         n, n_spares = opts.local or 2, int(spares or 0)
