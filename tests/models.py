@@ -30,6 +30,24 @@ def mlp_reference(root, x: np.ndarray, n_layers: int = 4) -> np.ndarray:
     return x
 
 
+def save_tiny_llama(path, *, layers: int = 4, vocab: int = 256, hidden: int = 64,
+                    intermediate: int = 128, init: float = 0.1):
+    """A small random Llama from transformers (seed 0), saved as safetensors in directory
+    ``path`` without a tokenizer; returns the transformers model, the reference."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                                      intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      initializer_range=init, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def _accumulate(params, state, carry):
     total = state["acc"] + carry["x"].sum(axis=0)
     return {"x": carry["x"], "total": total}, {"acc": total}

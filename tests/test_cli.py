@@ -13,6 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from models import save_tiny_llama  # noqa: E402
+
 pytestmark = pytest.mark.reference
 
 
@@ -38,15 +40,8 @@ def test_generate_smollm2_across_workers_matches_transformers(smollm2_reference,
 
 
 def _tiny_llama_dir(root: pathlib.Path) -> tuple[pathlib.Path, object]:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, initializer_range=0.2,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.LlamaForCausalLM(config).eval()
-    path = root / "tiny-llama"
-    model.save_pretrained(path, safe_serialization=True)  # no tokenizer on purpose
-    return path, model
+    path = root / "tiny-llama"  # no tokenizer on purpose
+    return path, save_tiny_llama(path, layers=2, vocab=128, hidden=32, intermediate=64, init=0.2)
 
 
 def test_generate_prompt_ids_without_tokenizer(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 
 from jaxdist.coordinator import Cluster
 from jaxdist.errors import RemoteStageError, TransportError
-from models import mlp, mlp_reference
+from models import mlp, mlp_reference, save_tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -37,14 +37,7 @@ def _x(b: int = 4) -> np.ndarray:
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, object]:
     root = tmp_path_factory.mktemp("failover")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=2, initializer_range=0.1,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(root / "llama", safe_serialization=True)
-    return root, hf
+    return root, save_tiny_llama(root / "llama", layers=4)
 
 
 def _hf_greedy(hf: object, prompt: list[int], n: int) -> list[int]:

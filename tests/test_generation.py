@@ -14,6 +14,7 @@ from jaxdist.errors import SpecError  # noqa: E402
 from jaxdist.exporters.llama import llama_model  # noqa: E402
 from jaxdist.generation import Generator, SamplingParams  # noqa: E402
 from jaxdist.inprocess import InProcessPipeline  # noqa: E402
+from models import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -24,13 +25,7 @@ PROMPTS = [[5, 17, 99, 3], [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180, 7, 7, 2,
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("gen")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=3, num_attention_heads=4,
-                                      num_key_value_heads=2, initializer_range=0.1,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(root / "llama", safe_serialization=True)
+    hf = save_tiny_llama(root / "llama", layers=3)
     model = llama_model("llama", roots=[root], max_slots=4, max_seq=64, prefill_buckets=(8,))
     pipe = InProcessPipeline(dataclasses.replace(model, buckets=()), weights_roots=[str(root)],
                              stages=2)

@@ -43,6 +43,7 @@ from jaxdist.exporters.llama import llama_model
 
 from jaxdist.coordinator import Cluster
 from jaxdist.generation import Generator, SamplingParams
+from models import save_tiny_llama
 
 pytestmark = [pytest.mark.reference, pytest.mark.timeout(240)]
 
@@ -57,13 +58,7 @@ THREAD_TOLERANCE = 4
 @pytest.fixture(scope="module")
 def llama_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("load")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=2, initializer_range=0.1,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(root / "llama",
-                                                                 safe_serialization=True)
+    save_tiny_llama(root / "llama", layers=4)
     return root
 
 
