@@ -77,7 +77,7 @@ class TransportError(JaxdistError):
 
 
 class SessionError(JaxdistError):
-    """A session is unknown, was evicted, or was used out of order."""
+    """A session is unknown, ended, reclaimed after idling, lost, or used out of order."""
 
     code = "FAILED_PRECONDITION"
 
