@@ -85,7 +85,7 @@ class Pipeline:
         self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._recover_lock = threading.Lock()
+        self._recover_lock = threading.RLock()
         self._ids = itertools.count(1)
         self._closed = False
         self._recovering = False
@@ -322,9 +322,29 @@ class Pipeline:
     def call(self, inputs: Mapping[str, Any] | None = None, *, session_id: str = "",
              step: int = 0, timeout: float | None = None, **kw_inputs: Any
              ) -> dict[str, np.ndarray]:
-        """Run one step and wait for the outputs."""
+        """Run one step and wait for the outputs.
+
+        A call without a session holds no state on the workers, so when a worker dies under it
+        and the cluster has spare workers, the pipeline fails over (:meth:`recover`, logged) and
+        the call runs again, once. A call in a session raises: its state is gone, and only the
+        caller can replay it.
+        """
         data = dict(inputs or {}, **kw_inputs)
-        return self.submit(data, session_id=session_id, step=step).result(timeout)
+        epoch = self._epoch
+        try:
+            return self.submit(data, session_id=session_id, step=step).result(timeout)
+        except RemoteStageError:
+            if session_id or self._broken is None or not self.cluster.spare_clients:
+                raise
+            self._recover_once(epoch)
+        return self.submit(data).result(timeout)
+
+    def _recover_once(self, epoch: int) -> None:
+        """:meth:`recover`, unless another thread already did since ``epoch``."""
+        with self._recover_lock:
+            if self._epoch != epoch and self._broken is None:
+                return
+            self.recover()
 
     __call__ = call
 

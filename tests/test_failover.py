@@ -82,8 +82,8 @@ def test_recover_moves_the_dead_workers_stage_to_a_spare(mlp_root):
             np.testing.assert_allclose(pipe.call(x=_x())["x"], want, rtol=1e-5, atol=1e-5)
             victim.process.send_signal(signal.SIGKILL)
             with pytest.raises(RemoteStageError, match=victim.address):
-                while True:
-                    pipe.call(x=_x(), timeout=30)
+                while True:  # submit: call() would fail over by itself
+                    pipe.submit({"x": _x()}).result(timeout=30)
             (moved,) = pipe.recover()
             assert (moved.stages, moved.failed, moved.spare) == ((1,), victim.address, spare)
             assert [c.address for c in pipe.clients] == [cluster.local_workers[0].address, spare]
@@ -117,7 +117,7 @@ def test_frozen_worker_fails_over_to_a_spare(mlp_root):
             victim.process.send_signal(signal.SIGSTOP)
             try:
                 with pytest.raises(RemoteStageError, match="no heartbeat") as err:
-                    pipe.call(x=_x(), timeout=30)
+                    pipe.submit({"x": _x()}).result(timeout=30)
                 assert err.value.address == victim.address
                 (moved,) = pipe.recover()
                 assert moved.failed == victim.address and moved.stages == (0,)
@@ -220,3 +220,25 @@ def test_connect_checks_spares_and_cli_spares_option(mlp_root):
             Cluster.connect([a, b], spares=[c], wait=2)
     finally:
         stop_workers(workers)
+
+
+def test_stateless_calls_fail_over_by_themselves(mlp_root):
+    """Session-less calls hold no state: with a spare, a dead worker costs the caller nothing."""
+    with Cluster.local(2, weights_roots=[str(mlp_root)], spares=1) as cluster:
+        victim = cluster.local_workers[1]
+        with cluster.deploy(mlp(), stages=2) as pipe:
+            want = mlp_reference(mlp_root, _x())
+            pipe.call(x=_x())
+            victim.process.send_signal(signal.SIGKILL)
+            assert victim.process.wait(timeout=10) == -signal.SIGKILL
+            for _ in range(5):
+                np.testing.assert_allclose(pipe.call(x=_x(), timeout=60)["x"], want,
+                                           rtol=1e-5, atol=1e-5)
+            assert [f.failed for f in pipe.failovers] == [victim.address]
+            # A call in a session does not: its state is gone with the worker.
+            with pipe.session() as s:
+                s(x=_x())
+            cluster.local_workers[0].process.send_signal(signal.SIGKILL)
+            with pytest.raises(RemoteStageError):
+                while True:
+                    pipe.call(x=_x(), session_id="s1", timeout=60)
