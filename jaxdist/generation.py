@@ -157,6 +157,8 @@ class Generator:
             time (pipeline parallelism); 1 is best for a single sequence or a single process.
         max_failovers: how many times one :meth:`run` may fail over when a worker dies (the
             pipeline must have spare workers; see :meth:`jaxdist.pipeline.Pipeline.recover`).
+            To replay, a run keeps every step's inputs (a few hundred bytes each); 0 keeps
+            nothing and never fails over.
 
     Failover: when a worker of the pipeline dies, the engine asks the pipeline to move its
     stages to a spare, then replays every step it ran so far, with the same inputs, in the same
@@ -358,7 +360,8 @@ class Generator:
                     failovers += 1
                     continue
                 inflight.popleft()
-                history.append((arrays, out))
+                if self.max_failovers:  # kept only for a replay
+                    history.append((arrays, out))
                 next_tokens = out[:len(rows)]
                 now = time.perf_counter()
                 for (q, toks), tok in zip(rows, next_tokens):
