@@ -67,6 +67,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import _common
+
 MAX_SEQ = 256
 MAX_SLOTS = 8
 PREFILL_BUCKETS = (16, 64)
@@ -140,23 +142,6 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _machine() -> dict[str, Any]:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import grpc
-    import jax
-    return {"nproc": os.cpu_count(), "cpu": model, "python": sys.version.split()[0],
-            "grpcio": grpc.__version__, "jax": jax.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-            # The machine may be shared: load from other processes when this run started.
-            "loadavg_1m_at_start": _load()}
 
 
 def _record(metric: str, value: float, unit: str, baseline: str, baseline_value: float | None,
@@ -472,7 +457,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
     from jaxdist.exporting import load_model
 
     plan = QUICK if quick else FULL
-    machine = _machine()
+    machine = _common.machine()
     # The same persistent compilation cache the workers use: the single-process stage and the
     # 1-worker stage are the same computation, and a rerun of this script starts warm.
     config.configure_compilation_cache(config.default_compilation_cache(),

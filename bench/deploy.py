@@ -39,23 +39,11 @@ import tempfile
 import time
 from typing import Any
 
+import _common
+
 TARGET = 0.25
 
 
-def _machine() -> dict[str, Any]:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import jax
-    return {"nproc": os.cpu_count(), "cpu": model, "python": sys.version.split()[0],
-            "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-            "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
 
 
 def _record(metric: str, value: float, baseline_value: float, target: str, meets: bool | None,
@@ -129,7 +117,7 @@ def run(quick: bool, repeats: int) -> list[dict[str, Any]]:
         "repeats": repeats, "quick": quick, "first_tokens": sorted(tokens),
         "pair_ratios": [round(w["deploy_s"] / c["deploy_s"], 4)
                         for c, w in zip(runs["cold"], runs["warm"])],
-        "cold_runs": runs["cold"], "warm_runs": runs["warm"], **_machine()}
+        "cold_runs": runs["cold"], "warm_runs": runs["warm"], **_common.machine()}
     ratio = med["warm"]["deploy_s"] / med["cold"]["deploy_s"]
     records = [
         _record("deploy_warm", med["warm"]["deploy_s"], med["cold"]["deploy_s"],

@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _common
+
 _LEN = struct.Struct("<Q")  # length prefix of a raw-TCP message
 _RELAY_READY = "relay listening on "
 _ROLE_UPSTREAM = b"U"  # a connection that sends messages into a relay
@@ -213,23 +215,6 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def _machine() -> dict[str, Any]:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import grpc
-    import jax
-    return {"nproc": os.cpu_count(), "cpu": model, "python": sys.version.split()[0],
-            "grpcio": grpc.__version__, "jax": jax.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-            # The machine may be shared: load from other processes when this run started.
-            "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
 
 
 def _record(metric: str, value: float, unit: str, baseline_value: float, ratio: float,
@@ -353,7 +338,7 @@ def measure_bandwidth(pipe: Any, chain: RawChain, *, budget_s: float, min_iters:
 def run(quick: bool) -> list[dict[str, Any]]:
     from jaxdist.coordinator import Cluster
 
-    machine = _machine()
+    machine = _common.machine()
     records: list[dict[str, Any]] = []
     chains = {}
     try:

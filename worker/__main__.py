@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 
+from jaxdist import codec
 from jaxdist import config as jd_config
 from jaxdist.errors import JaxdistError
 
@@ -60,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default %(default)s)")
     limits.add_argument("--max-frame-bytes", type=_size, default=1 << 30, metavar="SIZE",
                         help="tensor bytes in one frame, all its tensors (default %(default)s)")
-    limits.add_argument("--max-tensors-per-frame", type=int, default=256, metavar="N",
+    limits.add_argument("--max-tensors-per-frame", type=int, default=codec.DEFAULT_MAX_TENSORS,
+                        metavar="N",
                         help="tensors in one frame (default %(default)s)")
     auth = p.add_argument_group(
         "authentication", "what callers must present; the same files are this worker's "

@@ -30,7 +30,7 @@ from jaxdist.worker.runtime import HEARTBEAT, Hub, PeerPool, StageRuntime, remot
 from jaxdist.worker.sessions import SessionStore
 
 import jaxdist
-from jaxdist import artifacts, devices
+from jaxdist import artifacts, codec, devices
 from jaxdist.errors import ArtifactError, JaxdistError, LimitError, SessionError
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
@@ -67,8 +67,8 @@ class WorkerConfig:
     allowed_custom_calls: Collection[str] = artifacts.DEFAULT_CUSTOM_CALL_ALLOWLIST
     max_artifact_bytes: int = 256 << 20               # largest artifact (uploaded or inline)
     max_frame_bytes: int = 1 << 30                    # tensor bytes in one frame, all tensors
-    max_frame_tensor_bytes: int = 1 << 30             # largest single tensor in a frame
-    max_tensors_per_frame: int = 256
+    max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
+    max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
     devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
     # Token and TLS this worker presents when it dials its next hops (security.client_auth)
     peer_auth: ClientAuth = field(default_factory=ClientAuth)
