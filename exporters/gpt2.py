@@ -251,8 +251,12 @@ def _load_source(path: str, roots: Roots, dtype: str) -> tuple[GPT2Config, _Weig
 
 def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4,
                max_seq: int = 512, dtype: str = "float32", return_logits: bool = False,
-               prefill_buckets: Sequence[int] = (16, 64, 128, 256)) -> Model:
+               prefill_buckets: Sequence[int] = (16, 64, 128, 256), quantized: bool = False
+               ) -> Model:
     """Describe a GPT-2 model (GGUF file or HF directory) as jaxdist units.
+
+    GGUF weights are dequantized when bound: ``quantized=True`` (the packed path of the llama
+    exporter) is not implemented for GPT-2 and is refused.
 
     Args:
         path: a ``.gguf`` file or a Hugging Face checkpoint directory, relative to a weights root
@@ -276,6 +280,9 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
     if dtype not in _DTYPES:
         raise SpecError(f"gpt2_model: dtype {dtype!r} is not supported; expected one of "
                         f"{list(_DTYPES)}")
+    if quantized:
+        raise SpecError("gpt2_model: quantized=True (GGUF blocks bound as stored) is not "
+                        "implemented for GPT-2; its weights are dequantized when bound")
     if max_slots < 1 or max_seq < 1:
         raise SpecError(f"gpt2_model: max_slots and max_seq must be >= 1, found {max_slots} "
                         f"and {max_seq}")

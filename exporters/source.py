@@ -1,24 +1,29 @@
 """Where an exporter's weights come from: a GGUF file or an HF directory, read for headers only.
 
 Shared by the exporters: :func:`open_source` finds the file under the weight roots and reads its
-tensor table and metadata (never the data); :class:`WeightTable` turns logical weight names into
+tensor table and metadata (never the data), from every part of a split GGUF; :class:`WeightTable` turns logical weight names into
 :class:`~jaxdist.model.Param` URIs, checking each tensor's shape against the model config.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jaxdist.errors import SpecError
+from jaxdist.kernels import KERNEL_TYPES
 from jaxdist.model import Param
 from jaxdist.weights import WeightCache, WeightInfo
 
 __all__ = ["Source", "WeightTable", "open_source"]
 
 Roots = Sequence[str | os.PathLike[str]]
+
+log = logging.getLogger(__name__)
 
 
 class Source:
@@ -32,10 +37,17 @@ class Source:
     """
 
     def __init__(self, scheme: str, path: str, roots: Roots, metadata: Mapping[str, Any],
-                 directory: Path | None, infos: Mapping[str, WeightInfo] | None = None) -> None:
+                 directory: Path | None, infos: Mapping[str, WeightInfo] | None = None,
+                 parts: Mapping[str, str] | None = None) -> None:
         self.scheme, self.path, self.roots = scheme, path, roots
         self.metadata, self.directory = metadata, directory
         self._infos = infos
+        self._parts = dict(parts or {})
+
+    def file_of(self, tensor: str) -> str:
+        """The file (as given, root-relative or absolute) that holds ``tensor``: the part of a
+        split GGUF, else :attr:`path`."""
+        return self._parts.get(tensor, self.path)
 
     @property
     def infos(self) -> Mapping[str, WeightInfo]:
@@ -54,13 +66,49 @@ def open_source(path: str, roots: Roots) -> Source:
     """
     if Path(path).suffix == ".gguf":
         with WeightCache(roots) as cache:
-            return Source("gguf", path, roots, cache.metadata(path), None, cache.describe(path))
+            meta = cache.metadata(path)
+            files = split_parts(path, meta)
+            infos: dict[str, WeightInfo] = {}
+            parts: dict[str, str] = {}
+            for part in files:
+                for name, info in cache.describe(part).items():
+                    if name in infos:
+                        raise SpecError(f"split GGUF '{path}': tensor '{name}' is in both "
+                                        f"'{parts[name]}' and '{part}'")
+                    infos[name], parts[name] = info, part
+            expected = meta.get("split.tensors.count")
+            if len(files) > 1 and expected is not None and int(expected) != len(infos):
+                raise SpecError(f"split GGUF '{path}': split.tensors.count is {expected}, the "
+                                f"{len(files)} parts hold {len(infos)} tensors")
+            return Source("gguf", path, roots, meta, None, infos, parts)
     dirs = [Path(path)] if Path(path).is_absolute() else [Path(r) / path for r in roots]
     directory = next((p for p in dirs if (p / "config.json").is_file()), None)
     if directory is None:
         raise SpecError(f"'{path}': expected a .gguf file or a Hugging Face directory with "
                         f"config.json under the weight roots {[os.fspath(r) for r in roots]}")
     return Source("safetensors", path, roots, {}, directory)
+
+
+_SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_parts(path: str, metadata: Mapping[str, Any]) -> list[str]:
+    """The files of a GGUF split by llama.cpp's gguf-split (``split.count`` > 1): ``path`` must
+    be the first, ``PREFIX-00001-of-0000N.gguf``. A whole file gives ``[path]``.
+
+    Raises:
+        SpecError: ``path`` is a split GGUF but not named as its first part.
+    """
+    count = int(metadata.get("split.count", 1) or 1)
+    if count <= 1:
+        return [path]
+    m = _SPLIT_NAME.search(path)
+    if m is None or int(m.group(1)) != 1 or int(m.group(2)) != count:
+        raise SpecError(f"'{path}' is part {int(metadata.get('split.no', 0)) + 1} of a GGUF "
+                        f"split in {count} (split.count); give the first part, named "
+                        f"PREFIX-00001-of-{count:05d}.gguf, with the others beside it")
+    prefix = path[:m.start()]
+    return [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
 class WeightTable:
@@ -72,12 +120,17 @@ class WeightTable:
         dtype: the dtype every param is bound as.
         family: for error messages ("llama-family", "GPT-2").
         fields: extra template fields (e.g. a name prefix).
+        quantized: bind GGUF matrices whose type has a kernel (:data:`KERNEL_TYPES`) as
+            stored, packed; other quantized types are dequantized when bound (logged once per
+            type). ``False`` dequantizes everything.
     """
 
     def __init__(self, source: Source, names: Mapping[str, str], dtype: str, *, family: str,
-                 fields: Mapping[str, str] | None = None) -> None:
+                 fields: Mapping[str, str] | None = None, quantized: bool = False) -> None:
         self.source, self.names, self.dtype, self.family = source, names, dtype, family
         self.fields = dict(fields or {})
+        self.quantized = quantized and source.scheme == "gguf"
+        self._no_kernel: set[str] = set()
 
     @property
     def scheme(self) -> str:
@@ -107,5 +160,13 @@ class WeightTable:
             raise SpecError(f"{src.scheme} '{src.path}': tensor '{name}' has shape "
                             f"{tuple(info.shape)}, expected {shape[::-1] if transpose else shape} "
                             f"from the config")
-        return Param(f"{src.scheme}://{src.path}#{name}", shape, self.dtype,
-                     transpose=transpose, quant=info.storage_type)
+        qtype = info.storage_type
+        packed = self.quantized and len(shape) == 2 and qtype in KERNEL_TYPES
+        if self.quantized and qtype not in (None, "F32", *KERNEL_TYPES) and \
+                qtype not in self._no_kernel:
+            self._no_kernel.add(qtype)
+            log.warning("%s '%s': GGML type %s has no kernel; its tensors (first: %s) are "
+                        "dequantized to %s when bound", src.scheme, src.path, qtype, name,
+                        self.dtype)
+        return Param(f"{src.scheme}://{src.file_of(name)}#{name}", shape, self.dtype,
+                     transpose=transpose, quant=qtype, packed=packed)

@@ -316,13 +316,18 @@ def load_tokenizer(model_path: str | os.PathLike[str]) -> Tokenizer | None:
     """The tokenizer of a model: a ``.gguf`` file, or a directory holding ``tokenizer.json``.
 
     Returns:
-        the tokenizer, or ``None`` if ``model_path`` is neither.
+        the tokenizer, or ``None`` if ``model_path`` is neither, or a GGUF that declares no
+        vocabulary (``tokenizer.ggml.model = "none"``, which llama.cpp accepts).
 
     Raises:
         SpecError, WeightError: as :meth:`Tokenizer.from_gguf` / :meth:`Tokenizer.from_dir`.
     """
     p = Path(model_path)
     if p.is_file() and p.suffix == ".gguf":
+        if gguf_metadata(p).get(_K.MODEL) == "none":  # llama.cpp's "no vocabulary"
+            logger.info("GGUF '%s' has no tokenizer (tokenizer.ggml.model = none): pass token "
+                     "ids", p)
+            return None
         return Tokenizer.from_gguf(p)
     if p.is_dir() and (p / "tokenizer.json").is_file():
         return Tokenizer.from_dir(p)

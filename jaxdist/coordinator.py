@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -28,11 +29,12 @@ from typing import Any
 import grpc
 import jax
 
-from jaxdist import artifacts
+from jaxdist import artifacts, codec, kernels
 from jaxdist.errors import ArtifactError, JaxdistError, SpecError, TransportError
 from jaxdist.local import LocalWorker, spawn_workers, stop_workers
 from jaxdist.manifest import Manifest, open_manifest
-from jaxdist.model import Model, Unit
+from jaxdist.kernels.ops import QTensor
+from jaxdist.model import Model, Param, Unit
 from jaxdist.partition import balanced_split, explicit_split
 from jaxdist.pipeline import Pipeline, Session
 from jaxdist.proto import jaxdist_pb2 as pb
@@ -58,12 +60,19 @@ def _no_progress(what: str, done: int, total: int) -> None:
 # Building stages
 
 
+def _operand(param: Param, value: Any) -> Any:
+    """What a unit receives for a bound weight: the array, or a QTensor of packed blocks."""
+    if param.packed:
+        return QTensor(value, str(param.quant), transposed=param.transpose)
+    return value
+
+
 def _stage_fn(units: Sequence[Unit]) -> Callable[..., Any]:
     def stage(params: dict[str, Any], state: dict[str, Any], carry: dict[str, Any]
               ) -> tuple[dict[str, Any], dict[str, Any]]:
         new_state: dict[str, Any] = {}
         for u in units:
-            p = {k: params[f"{u.name}.{k}"] for k in u.params}
+            p = {k: _operand(param, params[f"{u.name}.{k}"]) for k, param in u.params.items()}
             s = {k: state[f"{u.name}.{k}"] for k in u.state}
             carry, ns = u.fn(p, s, dict(carry))
             missing = set(u.state) - set(ns)
@@ -98,21 +107,39 @@ class BuiltStage:
     spec: StageSpec
 
 
+def _unpacked(unit: Unit) -> Unit:
+    """The unit with its packed weights dequantized when bound (for a worker without kernels)."""
+    if not any(p.packed for p in unit.params.values()):
+        return unit
+    return dataclasses.replace(unit, params={n: p.unpacked() for n, p in unit.params.items()})
+
+
 def build_stage_specs(model: Model, ranges: Sequence[range], *,
                       platforms: Sequence[str] = ("cpu", "cuda", "tpu"),
-                      progress: Progress = _no_progress) -> list[BuiltStage]:
-    """Export each stage of ``model`` (its units in ``ranges``) and describe it as a spec."""
+                      progress: Progress = _no_progress,
+                      unpack: Sequence[bool] = ()) -> list[BuiltStage]:
+    """Export each stage of ``model`` (its units in ``ranges``) and describe it as a spec.
+
+    ``unpack[k]`` true: stage k binds its packed (quantized) weights dequantized instead, for
+    a CPU worker that has no kernels.
+    """
     inputs: dict[str, tuple[str, str]] = dict(model.inputs)
     built = []
     for k, rng in enumerate(ranges):
         progress(f"export stage {k}", k, len(ranges))
         units = [model.units[i] for i in rng]
+        if k < len(unpack) and unpack[k]:
+            units = [_unpacked(u) for u in units]
         params = {f"{u.name}.{n}": p for u in units for n, p in u.params.items()}
         state = {f"{u.name}.{n}": sd for u in units for n, sd in u.state.items()}
         art = artifacts.export_stage(
             _stage_fn(units),
-            params={n: jax.ShapeDtypeStruct(tuple(p.shape), jax.numpy.dtype(p.ref(n).dtype))
+            params={n: jax.ShapeDtypeStruct(p.bound_shape, jax.numpy.dtype(p.bound_dtype))
                     for n, p in params.items()},
+            # Packed weights reach the CPU kernels (jaxdist.kernels) through a custom call.
+            unstable_custom_calls=tuple(sorted(kernels.OWN_TARGETS))
+            if any(p.packed for p in params.values())
+            else (),
             state={n: jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype))
                    for n, (shape, dtype) in state.items()},
             inputs=inputs, platforms=platforms, symbolic_constraints=tuple(model.constraints))
@@ -288,7 +315,9 @@ class Cluster:
         order = self._order(workers)
         ranges = plan_stages(model, stages=stages or min(len(order), len(model.units)),
                              split=split, capacities=capacities)
-        built = build_stage_specs(model, ranges, platforms=platforms, progress=progress)
+        unpack = self._check_placement(model, ranges, order)
+        built = build_stage_specs(model, ranges, platforms=platforms, progress=progress,
+                                  unpack=unpack)
         by_digest = {b.artifact.digest: b.artifact.data for b in built}
         pipeline_id = f"{model.name or 'model'}-{uuid.uuid4().hex[:8]}"
         return self._ship(pipeline_id, [b.spec for b in built], order, device,
@@ -388,6 +417,46 @@ class Cluster:
                         heartbeat_timeout=self.heartbeat_timeout)
         self._pipelines.append(pipe)
         return pipe
+
+    def _check_placement(self, model: Model, ranges: Sequence[range], order: Sequence[str]
+                         ) -> list[bool]:
+        """Per stage: whether its packed weights must be bound dequantized, because its CPU
+        worker advertises no kernels (logged). Refuses bfloat16/float16 weights on a CPU
+        worker, which would run several times slower than float32.
+
+        Raises:
+            SpecError: a half-precision stage placed on a CPU worker.
+        """
+        infos = {a: c.info() for a, c in ((a, self._client(a)) for a in dict.fromkeys(order))}
+        unpack = []
+        for k, rng in enumerate(ranges):
+            address = order[k % len(order)]
+            info = infos[address]
+            platform = info.default_device.partition(":")[0]
+            params = [p for i in rng for p in model.units[i].params.values()]
+            if platform != "cpu":
+                unpack.append(False)
+                continue
+            slow = sorted({p.dtype for p in params if not p.packed
+                           and codec.canonical_dtype(p.dtype) in ("bfloat16", "float16")})
+            if slow:
+                raise SpecError(
+                    f"stage {k} of {model.name!r} binds {'/'.join(slow)} weights on CPU worker "
+                    f"{address}: XLA:CPU has no fast half-precision matmul, so it would run "
+                    f"several times slower than float32. Use dtype float32 (the default); a "
+                    f"quantized GGUF keeps its blocks as stored either way")
+            missing = sorted(kernels.OWN_TARGETS - set(info.kernels.targets))
+            packed = [p for p in params if p.packed]
+            if packed and missing:
+                log.warning("worker %s advertises no CPU kernels (%s): stage %d binds its %d "
+                            "quantized weights dequantized to float32",
+                            address, info.kernels.unavailable_reason or "other ABI", k,
+                            len(packed))
+            unpack.append(bool(packed and missing))
+        return unpack
+
+    def _client(self, address: str) -> WorkerClient:
+        return next(c for c in self.clients if c.address == address)
 
     def _order(self, workers: Sequence[str] | None) -> list[str]:
         order = list(workers) if workers else self.addresses

@@ -342,22 +342,33 @@ class Generator:
                     active.append(seq)
                 # Keep up to `depth` steps in flight, on disjoint rows, so every stage of the
                 # pipeline has work: the steps of one session stay in order on every stage.
-                while len(inflight) < self.depth:
-                    rows, s = self._next_rows([q for q in active if q.index not in busy],
-                                              len(active))
-                    if not rows:
-                        break
-                    arrays = self._inputs(rows, s)
-                    inflight.append((self.pipeline.submit(arrays, session_id=session,
-                                                          step=next(steps)), rows, arrays))
-                    busy.update(q.index for q, _ in rows)
-                future, rows, arrays = inflight[0]
                 try:
+                    while len(inflight) < self.depth:
+                        rows, s = self._next_rows([q for q in active if q.index not in busy],
+                                                  len(active))
+                        if not rows:
+                            break
+                        arrays = self._inputs(rows, s)
+                        # A pipeline that lost a worker refuses the step here, or fails its
+                        # future below: either way the engine fails over and goes on.
+                        inflight.append((self.pipeline.submit(arrays, session_id=session,
+                                                              step=next(steps)), rows, arrays))
+                        busy.update(q.index for q, _ in rows)
+                    future, rows, arrays = inflight[0]
                     out = np.asarray(future.result()["token"])
                 except JaxdistError as exc:
-                    session, steps, inflight = self._fail_over(exc, history, inflight,
-                                                               failovers)
-                    failovers += 1
+                    error = exc
+                    while True:  # a replay can lose a worker too: fail over again
+                        try:
+                            session, steps, inflight = self._fail_over(error, history,
+                                                                       inflight, failovers)
+                            break
+                        except JaxdistError as again:
+                            if again is error:
+                                raise  # cannot fail over (no spare, a stage error, the cap)
+                            error = again
+                        finally:
+                            failovers += 1
                     continue
                 inflight.popleft()
                 if self.max_failovers:  # kept only for a replay

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxdist import kernels
 from jaxdist.coordinator import build_stage_specs
 from jaxdist.errors import SessionError
 from jaxdist.model import Model
@@ -45,6 +46,7 @@ class InProcessPipeline:
                   balanced_split([u.weight_bytes + u.state_bytes + 1 for u in model.units],
                                  stages))
         self.cache = WeightCache(weights_roots)
+        kernels.load()  # quantized stages call the CPU kernels; unavailable ones are refused
         self.stages = []
         for b in build_stage_specs(model, ranges, platforms=("cpu",)):
             spec = b.spec.replace(device=device, stage_id=f"inproc/{b.spec.stage_index}")

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxdist import codec
+from jaxdist import codec, quant
 from jaxdist.errors import SpecError
 from jaxdist.spec import WeightRef
 
@@ -35,7 +35,21 @@ UnitFn = Callable[[dict[str, Any], dict[str, Any], dict[str, Any]],
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """A weight as a unit sees it: where it lives and what it looks like once bound."""
+    """A weight as a unit sees it: where it lives and what it looks like once bound.
+
+    Attributes:
+        uri: where the worker reads it (``gguf://``, ``safetensors://``, ``file://``).
+        shape: the shape the unit sees (after ``transpose``).
+        dtype: the bound dtype (ignored when ``packed``: blocks are uint8).
+        sha256: optional checksum of the stored bytes.
+        packed: bind the GGML blocks exactly as stored (uint8 rows, no conversion); the unit
+            gets a :class:`jaxdist.kernels.ops.QTensor` and multiplies through
+            :func:`jaxdist.kernels.ops.linear`. Needs ``quant``.
+        transpose: the unit sees the transpose of the stored matrix. Unpacked, the worker
+            transposes once when binding; packed, the blocks stay as stored and the QTensor is
+            marked transposed (the kernels read ``(out, in)`` rows).
+        quant: the GGML storage type of the tensor (``"Q4_K"``), when it has one.
+    """
 
     uri: str
     shape: tuple[int, ...]
@@ -45,15 +59,36 @@ class Param:
     transpose: bool = False
     quant: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.packed and not self.quant:
+            raise SpecError(f"Param {self.uri!r}: packed=True needs the GGML type (quant=)")
+
+    @property
+    def bound_shape(self) -> tuple[int, ...]:
+        """The shape of the array the worker binds: for a packed weight, its stored bytes."""
+        if not self.packed:
+            return tuple(self.shape)
+        stored = tuple(self.shape)[::-1] if self.transpose else tuple(self.shape)
+        return quant.packed_shape(str(self.quant), stored)
+
+    @property
+    def bound_dtype(self) -> str:
+        return "uint8" if self.packed else codec.canonical_dtype(self.dtype)
+
     def ref(self, name: str) -> WeightRef:
-        return WeightRef(param=name, uri=self.uri, shape=tuple(self.shape),
-                         dtype=codec.canonical_dtype(self.dtype), sha256=self.sha256,
-                         packed=self.packed, transpose=self.transpose, quant=self.quant)
+        return WeightRef(param=name, uri=self.uri, shape=self.bound_shape,
+                         dtype=self.bound_dtype, sha256=self.sha256, packed=self.packed,
+                         transpose=self.transpose and not self.packed, quant=self.quant)
+
+    def unpacked(self, dtype: str = "float32") -> Param:
+        """The same weight dequantized when bound (for a worker without kernels)."""
+        return dataclasses.replace(self, packed=False, dtype=dtype) if self.packed else self
 
     @property
     def nbytes(self) -> int:
-        n = codec.dtype_from_name(self.dtype).itemsize
-        for d in self.shape:
+        """Bytes bound on the device."""
+        n = codec.dtype_from_name(self.bound_dtype).itemsize
+        for d in self.bound_shape:
             n *= d
         return n
 

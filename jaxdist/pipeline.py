@@ -150,6 +150,14 @@ class Pipeline:
                 event = view.msg
                 if event.WhichOneof("kind") == "error":
                     e = event.error
+                    hop = self._unreachable_hop(e.stage, e.code)
+                    if hop is not None:
+                        # Stage k could not reach stage k+1: that worker is down. Mark the
+                        # pipeline broken before the step's future fails, so whoever wakes
+                        # on it sees a broken pipeline and fails over (never the reverse).
+                        self._fail_worker(hop, f"stage {e.stage} at {e.address or address} "
+                                               f"could not reach it: {e.message}", epoch)
+                        continue  # the step failed with the pipeline's error, naming the hop
                     self._reject(event.request_id, RemoteStageError(
                         e.message, stage=e.stage, address=e.address or address,
                         remote_type=e.type, remote_traceback=e.traceback, code=e.code or None))
@@ -164,6 +172,12 @@ class Pipeline:
             self._fail_worker(address, f"sent a malformed result: {exc}", epoch)
             return
         self._fail_worker(address, "closed its event stream", epoch)
+
+    def _unreachable_hop(self, stage: int, code: str) -> str | None:
+        """The address of stage ``stage + 1`` when stage ``stage`` reports it unreachable."""
+        if code != "UNAVAILABLE" or not 0 <= stage < len(self.clients) - 1:
+            return None
+        return self.clients[stage + 1].address
 
     def _resolve(self, request_id: int, tensors: dict[str, np.ndarray]) -> None:
         with self._lock:
@@ -372,6 +386,20 @@ class Pipeline:
             except JaxdistError as exc:
                 log.warning("could not end session %s on %s: %s", session_id, c.address, exc)
         return freed
+
+    def stage_memory(self) -> list[dict[str, Any]]:
+        """What each stage binds on its worker, from ``Info``: one dict per stage with
+        ``stage``, ``address``, ``weight_bytes`` (on the device), ``packed_bytes`` (of those,
+        GGML blocks bound as stored) and ``dequantized_types``."""
+        found: dict[int, dict[str, Any]] = {}
+        for c in self._unique:
+            for st in c.info().stages:
+                if st.pipeline_id == self.pipeline_id:
+                    found[st.stage_index] = {
+                        "stage": st.stage_index, "address": c.address,
+                        "weight_bytes": st.weight_bytes, "packed_bytes": st.packed_bytes,
+                        "dequantized_types": list(st.dequantized_types)}
+        return [found[k] for k in sorted(found)]
 
     @property
     def broken(self) -> JaxdistError | None:

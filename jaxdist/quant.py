@@ -34,7 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jaxdist.errors import WeightError
 
-__all__ = ["PACKABLE_TYPES", "block_layout", "dequantize", "packed_shape"]
+__all__ = ["PACKABLE_TYPES", "block_layout", "dequantize", "dequantize_rows", "packed_shape"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,14 @@ def _bitcast(x: Any, dtype: Any, xp: ModuleType) -> Any:
         return np.ascontiguousarray(x).view(dtype)[..., 0]
     import jax  # noqa: PLC0415 - jax is only needed on the in-graph path
 
-    return jax.lax.bitcast_convert_type(x, dtype)
+    # Little-endian bytes assembled into an unsigned word first, then bitcast at the same
+    # width: a narrowing uint8 -> float16 bitcast breaks shape refinement with symbolic dims.
+    width = x.shape[-1]
+    word = {2: xp.uint16, 4: xp.uint32}[width]
+    u = x[..., 0].astype(word)
+    for i in range(1, width):
+        u = u | (x[..., i].astype(word) << (8 * i))
+    return jax.lax.bitcast_convert_type(u, dtype)
 
 
 def _f16(x: Any, xp: ModuleType) -> Any:
@@ -273,6 +280,31 @@ _DEQUANTIZERS: dict[str, Callable[[Any, ModuleType], Any]] = {
 
 PACKABLE_TYPES: tuple[str, ...] = tuple(_DEQUANTIZERS)
 """GGML types :func:`dequantize` implements: they can be bound packed and dequantized in-graph."""
+
+
+def dequantize_rows(rows: Any, qtype: str, *, xp: ModuleType) -> Any:
+    """Dequantize rows of GGML blocks ``(..., row_bytes)`` to float32 ``(..., row_elems)``.
+
+    Unlike :func:`dequantize`, the leading dims may be symbolic (inside a ``jax.export`` with
+    a symbolic batch): only the row length must be known. Used in-graph for embedding lookups
+    and for the non-CPU branch of the quantized matmul.
+
+    Raises:
+        WeightError: an unknown type, or a row length that is not whole blocks.
+    """
+    fn = _DEQUANTIZERS.get(qtype)
+    if fn is None:
+        raise WeightError(f"cannot dequantize GGML type {qtype!r} in-graph: expected one of "
+                          f"{', '.join(PACKABLE_TYPES)}")
+    block_elems, block_bytes = block_layout(qtype)
+    row_bytes = int(rows.shape[-1])
+    if row_bytes % block_bytes:
+        raise WeightError(f"{qtype} rows of {row_bytes} bytes are not whole {block_bytes}-byte "
+                          f"blocks")
+    per_row = row_bytes // block_bytes
+    lead = tuple(rows.shape[:-1])
+    out = fn(rows.reshape((-1, block_bytes)), xp)
+    return out.reshape((*lead, per_row * block_elems))
 
 
 def dequantize(blocks: Any, qtype: str, shape: Sequence[int], *, xp: ModuleType = np) -> Any:

@@ -31,8 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from jaxdist import codec
-from jaxdist.artifacts import DEFAULT_CUSTOM_CALL_ALLOWLIST, load_artifact
+from jaxdist import codec, kernels
+from jaxdist.artifacts import DEFAULT_CUSTOM_CALL_ALLOWLIST, custom_call_targets, load_artifact
 from jaxdist.devices import device_platform, resolve_device
 from jaxdist.errors import SpecError
 from jaxdist.heap import release_free_heap
@@ -92,6 +92,7 @@ class WorkerStage:
         allowed_custom_calls: Collection[str] = DEFAULT_CUSTOM_CALL_ALLOWLIST,
         devices: Sequence[Any] | None = None,
         compile_buckets: bool = True,
+        worker: str = "",
     ) -> WorkerStage:
         """Check, compile and bind a stage: :meth:`prepare`, :meth:`compile` every bucket, then
         :meth:`bind`.
@@ -107,6 +108,7 @@ class WorkerStage:
             allowed_custom_calls: custom-call targets the artifact may use.
             devices: restrict device resolution to these (tests pass fakes); default: all.
             compile_buckets: compile every shape bucket now (ahead of time).
+            worker: this worker's address, for error messages.
 
         Raises:
             SpecError: the spec is malformed or disagrees with the artifact's signature.
@@ -115,7 +117,7 @@ class WorkerStage:
             WeightError: a weight cannot be resolved or does not match its WeightRef.
         """
         stage = cls.prepare(spec, artifact=artifact, allowed_custom_calls=allowed_custom_calls,
-                            devices=devices)
+                            devices=devices, worker=worker)
         if compile_buckets:
             for bucket in spec.buckets:
                 stage.compile(bucket)
@@ -130,15 +132,20 @@ class WorkerStage:
         artifact: bytes,
         allowed_custom_calls: Collection[str] = DEFAULT_CUSTOM_CALL_ALLOWLIST,
         devices: Sequence[Any] | None = None,
+        worker: str = "",
     ) -> WorkerStage:
         """Check a spec and its artifact and resolve the device; no weights yet. The stage can
         :meth:`compile`; it runs once :meth:`bind` has bound its weights. Raises as
         :meth:`load`, except ``WeightError``."""
         validate(spec)
         device = resolve_device(spec.device, devices)
+        platform = device_platform(device)
         exported = load_artifact(artifact, expected_digest=spec.artifact_digest,
-                                 platform=device_platform(device),
-                                 allowed_custom_calls=allowed_custom_calls)
+                                 platform=platform,
+                                 allowed_custom_calls=(*allowed_custom_calls,
+                                                       *kernels.OWN_TARGETS))
+        kernels.require(custom_call_targets(exported), platform, worker=worker,
+                        where=f"stage {spec.stage_index} ({spec.artifact_digest[:19]})")
         cls._check_signature(spec, exported)
         return cls(spec, exported, device, [])
 
@@ -152,14 +159,21 @@ class WorkerStage:
             return
         t0 = time.perf_counter()
         params = []
+        # One array per distinct binding: a tied embedding bound packed is the lookup table
+        # and the LM head at once, with the same bytes.
+        bound: dict[tuple[Any, ...], jax.Array] = {}
         for ref in self.spec.weights:
-            host = cache.load(ref.uri, param=ref.param, shape=ref.shape, dtype=ref.dtype,
-                              sha256=ref.sha256, packed=ref.packed, transpose=ref.transpose,
-                              quant=ref.quant)
-            # ``host`` is new, aligned and ours: XLA:CPU takes it as the buffer (no second
-            # copy); other platforms copy it to the device, and it is freed here.
-            params.append(jax.device_put(host, self.device, may_alias=True))
-            del host
+            key = (ref.uri, ref.shape, ref.dtype, ref.sha256, ref.packed, ref.transpose,
+                   ref.quant)
+            if key not in bound:
+                host = cache.load(ref.uri, param=ref.param, shape=ref.shape, dtype=ref.dtype,
+                                  sha256=ref.sha256, packed=ref.packed,
+                                  transpose=ref.transpose, quant=ref.quant)
+                # ``host`` is new, aligned and ours: XLA:CPU takes it as the buffer (no
+                # second copy); other platforms copy it to the device, and it is freed here.
+                bound[key] = jax.device_put(host, self.device, may_alias=True)
+                del host
+            params.append(bound[key])
         jax.block_until_ready(params)
         self._params = params
         self._bound = True
@@ -334,5 +348,18 @@ class WorkerStage:
                 dict(zip(self._state_names, results[n_out:])))
 
     @property
+    def packed_bytes(self) -> int:
+        """Of :attr:`weight_bytes`, the GGML blocks bound as stored."""
+        packed = {id(p): p for ref, p in zip(self.spec.weights, self._params) if ref.packed}
+        return sum(p.nbytes for p in packed.values())
+
+    @property
+    def dequantized_types(self) -> list[str]:
+        """GGML types of the weights dequantized when bound (sorted, once each)."""
+        return sorted({r.quant for r in self.spec.weights
+                       if r.quant and not r.packed and r.quant != "F32"})
+
+    @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self._params)
+        """Bytes of weights bound on the device (a tensor shared by two params counts once)."""
+        return sum(p.nbytes for p in {id(p): p for p in self._params}.values())

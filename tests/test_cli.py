@@ -26,10 +26,13 @@ def _jaxdist(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [2, 3])
 def test_generate_smollm2_across_workers_matches_transformers(smollm2_reference, workers):
+    """--dequantize: float32 weights and activations, what transformers computes. (The
+    default, quantized weights with llama.cpp's activation quantization, is checked against
+    its own reference in tests/test_quantized_llm.py.)"""
     prompt, want = smollm2_reference
     proc = _jaxdist("generate", "--local", str(workers), "--stages", str(workers),
                     "--max-tokens", "24", "--max-seq", "128", "--slots", "1", "--buckets", "16",
-                    "--json")
+                    "--dequantize", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["prompt_ids"] == prompt

@@ -132,7 +132,8 @@ def _dense_gelu(p: dict[str, Any], st: dict[str, Any], c: dict[str, Any]) -> tup
 
 def _dense_packed_q4_0(p: dict[str, Any], st: dict[str, Any], c: dict[str, Any]
                        ) -> tuple[dict, dict]:
-    w = quant.dequantize(p["w"], "Q4_0", (H, H), xp=jnp)
+    w = p["w"].dequantize()  # a QTensor of the stored (H, H) Q4_0 blocks
+    assert w.shape == (H, H)
     return {"x": jnp.tanh(c["x"] @ w)}, {}
 
 
@@ -151,8 +152,7 @@ def mlp_model() -> Model:
             Unit("l1", _dense_gelu, {"w": Param(g("mlp.w1"), (H, H), quant="Q8_0")}),
             # GGUF Q4_0, bound packed and dequantized in the graph.
             Unit("l2", _dense_packed_q4_0,
-                 {"w": Param(g("mlp.w2"), quant.packed_shape("Q4_0", (H, H)), "uint8",
-                             packed=True, quant="Q4_0")}),
+                 {"w": Param(g("mlp.w2"), (H, H), packed=True, quant="Q4_0")}),
             # safetensors (out, in), bound transposed.
             Unit("l3", _dense_out, {"w": Param(s("mlp.w3"), (H, D), transpose=True)}),
         ],
@@ -239,7 +239,7 @@ def _block(p: dict[str, Any], st: dict[str, Any], c: dict[str, Any]) -> tuple[di
     att = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
     o = jnp.einsum("hqk,khd->qhd", att, vc.reshape(MAX_SEQ, HEADS, HD)).reshape(n, D)
     x = x + o @ p["wo"]
-    up = quant.dequantize(p["up"], "Q4_K", (D, FF), xp=jnp)
+    up = p["up"].dequantize()
     x = x + jax.nn.silu(_rms(x, p["ffn_norm"]) @ up) @ p["down"]
     return {"h": x}, {"k": kc, "v": vc}
 
@@ -252,8 +252,7 @@ def block_model() -> Model:
         "wv": Param(g("blk.wv"), (D, D), quant="Q8_0"),
         "wo": Param(g("blk.wo"), (D, D), transpose=True),
         "ffn_norm": Param(s("blk.ffn_norm"), (D,)),
-        "up": Param(g("blk.up"), quant.packed_shape("Q4_K", (D, FF)), "uint8", packed=True,
-                    quant="Q4_K"),
+        "up": Param(g("blk.up"), (D, FF), packed=True, quant="Q4_K"),
         "down": Param(g("blk.down"), (FF, D), quant="Q4_0"),
     }
     state = {"k": ((MAX_SEQ, D), "float32"), "v": ((MAX_SEQ, D), "float32")}

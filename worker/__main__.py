@@ -78,6 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     auth.add_argument("--tls-ca", default=None, metavar="PEM",
                       help="mutual TLS: require client certificates signed by this CA; also "
                            "verifies the next hops' certificates")
+    kern = p.add_argument_group("CPU kernels", "native kernels for quantized GGUF weights "
+                                "(jaxdist.kernels; built on first start, then cached)")
+    kern.add_argument("--kernel-threads", type=int, default=0, metavar="N",
+                      help="threads per kernel call; 0: XLA's intra-op pool plus the caller "
+                           "(default %(default)s)")
+    kern.add_argument("--no-kernels", action="store_true",
+                      help="register no kernels: advertise none, so coordinators bind this "
+                           "worker's weights dequantized")
     p.add_argument("--log-level", default="WARNING",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
     return p.parse_args(argv)
@@ -97,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                                ("--max-tensors-per-frame", opts.max_tensors_per_frame, 1),
                                ("--max-artifact-bytes", opts.max_artifact_bytes, 1),
                                ("--max-frame-bytes", opts.max_frame_bytes, 1),
-                               ("--session-idle-timeout", opts.session_idle_timeout, 0)):
+                               ("--session-idle-timeout", opts.session_idle_timeout, 0),
+                               ("--kernel-threads", opts.kernel_threads, 0)):
         if value < least:
             print(f"jaxdist-worker: {flag} must be >= {least}, got {value}", file=sys.stderr)
             return 2
@@ -117,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                               max_artifact_bytes=opts.max_artifact_bytes,
                               max_frame_bytes=opts.max_frame_bytes,
                               max_tensors_per_frame=opts.max_tensors_per_frame,
-                              peer_auth=security.client_auth(**files))
+                              peer_auth=security.client_auth(**files),
+                              kernels=not opts.no_kernels,
+                              kernel_threads=opts.kernel_threads)
         server, servicer, address = create_server(opts.listen, config, auth)
     except JaxdistError as exc:
         print(f"jaxdist-worker: {exc}", file=sys.stderr)

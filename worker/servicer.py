@@ -30,7 +30,7 @@ from jaxdist.worker.runtime import HEARTBEAT, Hub, PeerPool, StageRuntime, remot
 from jaxdist.worker.sessions import SessionStore
 
 import jaxdist
-from jaxdist import artifacts, codec, devices
+from jaxdist import artifacts, codec, devices, kernels
 from jaxdist.errors import ArtifactError, JaxdistError, LimitError, SessionError
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
@@ -72,6 +72,8 @@ class WorkerConfig:
     devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
     # Token and TLS this worker presents when it dials its next hops (security.client_auth)
     peer_auth: ClientAuth = field(default_factory=ClientAuth)
+    kernels: bool = True                              # register the CPU kernels (cpu workers)
+    kernel_threads: int = 0                           # threads per kernel call; 0: XLA's pool
 
 
 def _failure(exc: BaseException, context: grpc.ServicerContext | grpc.aio.ServicerContext,
@@ -120,6 +122,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                          if devices.device_platform(d) == devices.device_platform(self.device)]
         self.device_name = "{}:{}".format(devices.device_platform(self.device),
                                           devices.describe_device(self.device, self._offered)["index"])
+        # Quantized weights need the CPU kernels; a GPU/TPU worker dequantizes in the graph.
+        cpu = devices.device_platform(self.device) == "cpu"
+        self.kernels = kernels.load(threads=config.kernel_threads,
+                                    enabled=config.kernels and cpu)
+        if not cpu:
+            self.kernels = kernels.KernelInfo(False, reason="not a cpu worker")
         self.sessions = SessionStore(config.max_sessions, max_kv_bytes=self._kv_limit(),
                                      idle_timeout=config.session_idle_timeout)
         self._reaper_stop = threading.Event()
@@ -164,7 +172,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             uptime_s=time.monotonic() - self.started,
             artifacts=[e.digest for e in self.registry.list()],
             min_serialization_version=artifacts.min_serialization_version(),
-            max_serialization_version=artifacts.max_serialization_version())
+            max_serialization_version=artifacts.max_serialization_version(),
+            kernels=pb.KernelInfo(version=self.kernels.version, types=self.kernels.types,
+                                  targets=self.kernels.targets, threads=self.kernels.threads,
+                                  unavailable_reason=self.kernels.reason))
         for d in self._offered:
             desc = devices.describe_device(d, self._offered)
             reply.devices.add(platform=desc["platform"], index=desc["index"], kind=desc["kind"],
@@ -175,7 +186,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              stage_index=rt.spec.stage_index,
                              artifact_digest=rt.spec.artifact_digest, model=rt.spec.model,
                              weight_bytes=rt.stage.weight_bytes,
-                             sessions=self.sessions.count(rt.stage_id), device=str(rt.stage.device))
+                             sessions=self.sessions.count(rt.stage_id), device=str(rt.stage.device),
+                             packed_bytes=rt.stage.packed_bytes,
+                             dequantized_types=rt.stage.dequantized_types)
         return reply
 
     @_rpc
@@ -244,7 +257,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             stage = WorkerStage.load(spec.replace(artifact=None), artifact=data,
                                      cache=self.cache,
                                      allowed_custom_calls=self.config.allowed_custom_calls,
-                                     devices=self._offered)
+                                     devices=self._offered, worker=self.address)
         finally:  # the weight files' maps and parsed headers are not needed between binds
             self.cache.drop_readers()
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,

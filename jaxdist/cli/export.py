@@ -49,6 +49,9 @@ def add_exporter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", default=None, metavar="N,N,...",
                    help="prompt lengths compiled ahead of time")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dequantize", action="store_true",
+                   help="bind a GGUF's quantized weights as float32 instead of as stored "
+                        "(6 to 7 times the memory; what transformers computes)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                    help="any other exporter option, e.g. --option return_logits=true")
 
@@ -71,6 +74,8 @@ def exporter_options(opts: argparse.Namespace) -> dict[str, Any]:
         out["prefill_buckets"] = _ints(opts.buckets, "--buckets")
     if opts.dtype is not None:
         out["dtype"] = opts.dtype
+    if getattr(opts, "dequantize", False):
+        out["quantized"] = False
     for item in opts.option:
         key, sep, value = item.partition("=")
         if not sep or not key:

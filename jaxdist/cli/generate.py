@@ -91,7 +91,13 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--slots", type=int, default=4, help="sequences the KV cache holds at once")
     g.add_argument("--buckets", default="16,64,128,256", metavar="N,N,...",
                    help="prompt chunk lengths compiled ahead of time (default %(default)s)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache (default %(default)s; on CPU "
+                        "workers only float32 is accepted)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="bind a GGUF's quantized weights as float32 instead of as stored "
+                        "(6 to 7 times the memory; activations then stay float32, as in "
+                        "transformers)")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     g.set_defaults(run=run_generate)
 
@@ -139,8 +145,9 @@ def _model_plan(opts: argparse.Namespace) -> _Plan:
     except ValueError:
         raise SpecError(f"--buckets expects comma-separated integers, found {opts.buckets!r}"
                         ) from None
+    extra = {"quantized": False} if opts.dequantize else {}
     loaded = load_model(name, roots=roots, max_seq=opts.max_seq, dtype=opts.dtype,
-                        max_slots=opts.slots, prefill_buckets=buckets)
+                        max_slots=opts.slots, prefill_buckets=buckets, **extra)
     if loaded.kind != "causal-lm":
         raise SpecError(f"model {name} is a {loaded.kind}, not a causal LM; use jaxdist embed")
     return _Plan(name, roots, loaded.tokenizer, loaded.options,
@@ -221,6 +228,7 @@ def run_generate(opts: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         (result,) = gen.run([ids], params, on_token=on_token)
         wall = time.perf_counter() - t0
+        memory = pipe.stage_memory() if opts.json else []
         pipe.close(unload=plan.unload)
     text = tok.decode(result.tokens) if tok is not None else None
     if opts.json:
@@ -228,7 +236,9 @@ def run_generate(opts: argparse.Namespace) -> int:
                           "finish_reason": result.finish_reason, "ttft_s": result.ttft_s,
                           "tokens_per_s": result.tokens_per_s, "wall_s": wall,
                           "stages": len(pipe.clients), "workers": cluster.addresses,
-                          "pipeline_id": pipe.pipeline_id}))
+                          "pipeline_id": pipe.pipeline_id,
+                          "stage_weight_bytes": [m["weight_bytes"] for m in memory],
+                          "stage_memory": memory}))
     else:
         if stream is not None:
             sys.stdout.write(stream.flush())

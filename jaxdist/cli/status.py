@@ -1,7 +1,9 @@
 """``jaxdist status``: what each worker runs, as a table or JSON.
 
 Per worker: address, device, versions, uptime, memory, sessions, cached artifacts, and every
-loaded stage with its pipeline id, model, artifact digest, weight bytes and sessions. Pipelines
+loaded stage with its pipeline id, model, artifact digest, bound weight bytes (of them, GGML
+blocks bound as stored: "packed"; and the GGML types dequantized when bound) and sessions, plus
+the worker's CPU kernels (version, types, threads, or why it has none). Pipelines
 left loaded by ``jaxdist deploy`` show up here; ``jaxdist unload`` removes them.
 """
 
@@ -56,16 +58,25 @@ def run(opts: argparse.Namespace) -> int:
             print(f"  memory: {fmt_bytes(mem.memory_free)} free of {fmt_bytes(mem.memory_total)};"
                   f" worker RSS {fmt_bytes(r.rss_bytes)}")
         print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)}")
+        k = r.kernels
+        if k.version:
+            threads = k.threads or "auto"
+            print(f"  cpu kernels: {k.version}, threads {threads}; types {', '.join(k.types)}")
+        else:
+            print(f"  cpu kernels: none ({k.unavailable_reason or 'not advertised'})")
         if r.stages:
             stages = sorted(r.stages, key=lambda x: (x.pipeline_id, x.stage_index))
             w = max(8, *(len(st.pipeline_id) for st in stages))
             m = max(5, *(len(st.model) for st in stages))
             print(f"  {'pipeline':<{w}} {'stage':>5}  {'model':<{m}}  {'artifact':<20} "
-                  f"{'weights':>10} {'sessions':>8}  device")
+                  f"{'weights':>10} {'packed':>10} {'sessions':>8}  device")
             for st in stages:
+                dequantized = (f"  (dequantized: {', '.join(st.dequantized_types)})"
+                               if st.dequantized_types else "")
                 print(f"  {st.pipeline_id:<{w}} {st.stage_index:>5}  {st.model:<{m}}  "
                       f"{st.artifact_digest[:19]:<20} {fmt_bytes(st.weight_bytes):>10} "
-                      f"{st.sessions:>8}  {st.device}")
+                      f"{fmt_bytes(st.packed_bytes):>10} {st.sessions:>8}  {st.device}"
+                      f"{dequantized}")
         else:
             print("  no stages loaded")
     return 0

@@ -236,7 +236,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, platform: _Optional[str] = ..., index: _Optional[int] = ..., kind: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_free: _Optional[int] = ...) -> None: ...
 
 class LoadedStage(_message.Message):
-    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device")
+    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,8 @@ class LoadedStage(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEQUANTIZED_TYPES_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     pipeline_id: str
     stage_index: int
@@ -253,10 +255,26 @@ class LoadedStage(_message.Message):
     weight_bytes: int
     sessions: int
     device: str
-    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    packed_bytes: int
+    dequantized_types: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KernelInfo(_message.Message):
+    __slots__ = ("version", "types", "targets", "threads", "unavailable_reason")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TYPES_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    types: _containers.RepeatedScalarFieldContainer[str]
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    threads: int
+    unavailable_reason: str
+    def __init__(self, version: _Optional[str] = ..., types: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., threads: _Optional[int] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("address", "worker_version", "versions", "devices", "default_device", "stages", "sessions", "max_sessions", "rss_bytes", "uptime_s", "artifacts", "min_serialization_version", "max_serialization_version")
+    __slots__ = ("address", "worker_version", "versions", "devices", "default_device", "stages", "sessions", "max_sessions", "rss_bytes", "uptime_s", "artifacts", "min_serialization_version", "max_serialization_version", "kernels")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +288,7 @@ class InfoReply(_message.Message):
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     MIN_SERIALIZATION_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_SERIALIZATION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     address: str
     worker_version: str
     versions: Versions
@@ -283,7 +302,8 @@ class InfoReply(_message.Message):
     artifacts: _containers.RepeatedScalarFieldContainer[str]
     min_serialization_version: int
     max_serialization_version: int
-    def __init__(self, address: _Optional[str] = ..., worker_version: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., default_device: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[LoadedStage, _Mapping]]] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., artifacts: _Optional[_Iterable[str]] = ..., min_serialization_version: _Optional[int] = ..., max_serialization_version: _Optional[int] = ...) -> None: ...
+    kernels: KernelInfo
+    def __init__(self, address: _Optional[str] = ..., worker_version: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., default_device: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[LoadedStage, _Mapping]]] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., artifacts: _Optional[_Iterable[str]] = ..., min_serialization_version: _Optional[int] = ..., max_serialization_version: _Optional[int] = ..., kernels: _Optional[_Union[KernelInfo, _Mapping]] = ...) -> None: ...
 
 class ArtifactQuery(_message.Message):
     __slots__ = ("digest",)

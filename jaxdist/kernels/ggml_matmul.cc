@@ -1,0 +1,283 @@
+// jaxdist CPU kernels, ABI version 1: y[M, N] = x[M, K] . W[N, K]^T with W in GGML blocks.
+//
+// Two XLA FFI handlers, called from exported stages through lax.platform_dependent
+// (jaxdist/kernels/ops.py). W is bound exactly as the GGUF file stores it: N rows of
+// K/block_elems blocks.
+//
+// - `jaxdist_ggml_matmul_v1`: the product for few rows (decode). The dot products are ggml's
+//   own CPU kernels, reached through the public `ggml_get_type_traits_cpu` of the
+//   libggml-python wheel: x is quantized once per call to the type's `vec_dot_type` (Q8_0,
+//   Q8_1 or Q8_K, as llama.cpp does), then every (row of x, row of W) pair is one `vec_dot`.
+// - `jaxdist_ggml_dequantize_v1`: W to float32 with ggml's `to_float`, for products of many
+//   rows (prefill), which XLA's f32 dot then computes faster than row-pair dot products.
+//
+// Rows of W are split into chunks that the calling thread and up to `threads - 1` tasks on
+// XLA's intra-op pool claim from an atomic counter; the caller waits only for claimed
+// chunks, so a pool with no free thread cannot deadlock it (it then does every chunk itself).
+//
+// Every buffer is checked against the declared type and shapes before anything is read.
+// Built at first use by jaxdist/kernels/build.py; nothing here is copied from ggml.
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ggml-cpu.h"
+#include "ggml.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// The library is built with -fvisibility=hidden; only these names are its interface.
+#define JAXDIST_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int kAbiVersion = 1;
+// GGML type ids (GGUF's file format numbers) this handler accepts.
+constexpr int kTypes[] = {GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1,
+                          GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_Q2_K,
+                          GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
+constexpr int64_t kRowsPerChunk = 16;  // rows of W per claimed unit of work
+constexpr int64_t kActBlock = 64;      // rows of x kept hot per pass over a chunk
+constexpr int64_t kMinSplitWork = int64_t{1} << 21;  // multiply-adds below which one thread runs
+
+std::atomic<int> g_threads{0};  // 0: as many as XLA's pool has (plus the caller)
+
+bool Supported(int type) {
+  for (int t : kTypes) {
+    if (t == type) return true;
+  }
+  return false;
+}
+
+struct Job {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t chunks = 0;
+  int64_t m = 0, n = 0, k = 0;
+  const uint8_t* w = nullptr;
+  size_t w_row = 0;
+  const uint8_t* xq = nullptr;
+  size_t xq_row = 0;
+  float* y = nullptr;
+  ggml_vec_dot_t dot = nullptr;       // matmul: one (row of x, row of W) product
+  ggml_to_float_t to_float = nullptr;  // dequantize: one row of W
+
+  void Work() {
+    for (;;) {
+      int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      int64_t n0 = c * kRowsPerChunk;
+      int64_t n1 = n0 + kRowsPerChunk < n ? n0 + kRowsPerChunk : n;
+      if (to_float != nullptr) {
+        for (int64_t r = n0; r < n1; ++r) to_float(w + r * w_row, y + r * k, k);
+        done.fetch_add(1, std::memory_order_release);
+        continue;
+      }
+      for (int64_t m0 = 0; m0 < m; m0 += kActBlock) {
+        int64_t m1 = m0 + kActBlock < m ? m0 + kActBlock : m;
+        for (int64_t r = n0; r < n1; ++r) {
+          const uint8_t* wr = w + r * w_row;
+          for (int64_t i = m0; i < m1; ++i) {
+            dot(static_cast<int>(k), y + i * n + r, 0, wr, 0, xq + i * xq_row, 0, 1);
+          }
+        }
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Fail(const char* target, const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(target) + ": " + msg);
+}
+
+// Runs the job's chunks on the caller and up to threads - 1 pool tasks; returns when all
+// chunks are done. Tasks that start late find nothing left and return.
+void Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t macs) {
+  int64_t threads = g_threads.load(std::memory_order_relaxed);
+  if (threads <= 0) threads = pool.num_threads() + 1;
+  // Waking a pool thread costs tens of microseconds, more than a decode step's layer
+  // matvec takes (bench/kernels.py): only large products are split.
+  if (macs < kMinSplitWork) threads = 1;
+  if (threads > job->chunks) threads = job->chunks;
+  for (int64_t t = 1; t < threads; ++t) {
+    pool.Schedule([job] { job->Work(); });
+  }
+  job->Work();
+  int spins = 0;
+  while (job->done.load(std::memory_order_acquire) < job->chunks) {
+    if (++spins > 64) std::this_thread::yield();
+  }
+}
+
+// Checks w (N, row_bytes) against the type and K; fills the row size.
+ffi::Error CheckWeights(const char* target, int32_t type, int64_t k, int64_t n_rows,
+                        int64_t row_bytes, size_t* w_row) {
+  if (!Supported(type)) return Fail(target, "unsupported ggml_type " + std::to_string(type));
+  const ggml_type gt = static_cast<ggml_type>(type);
+  const ggml_type_traits* tt = ggml_get_type_traits(gt);
+  if (k <= 0 || k % tt->blck_size != 0) {
+    return Fail(target, "K = " + std::to_string(k) + " is not a multiple of the " +
+                            ggml_type_name(gt) + " block (" + std::to_string(tt->blck_size) +
+                            ")");
+  }
+  *w_row = static_cast<size_t>(k / tt->blck_size) * tt->type_size;
+  if (row_bytes != static_cast<int64_t>(*w_row) || n_rows < 0) {
+    return Fail(target, std::string("w rows hold ") + std::to_string(row_bytes) +
+                            " bytes, expected " + std::to_string(*w_row) + " for K = " +
+                            std::to_string(k) + " of " + ggml_type_name(gt));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                  ffi::ResultBuffer<ffi::F32> y, int32_t type) {
+  constexpr const char* kTarget = "jaxdist_ggml_matmul_v1";
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
+    return Fail(kTarget, "expected x (M, K), w (N, row_bytes) and y (M, N), found ranks " +
+                             std::to_string(xd.size()) + ", " + std::to_string(wd.size()) +
+                             ", " + std::to_string(yd.size()));
+  }
+  const int64_t m = xd[0], k = xd[1], n = wd[0];
+  size_t w_row = 0;
+  if (ffi::Error e = CheckWeights(kTarget, type, k, n, wd[1], &w_row); e.failure()) return e;
+  if (yd[0] != m || yd[1] != n) {
+    return Fail(kTarget, "y is (" + std::to_string(yd[0]) + ", " + std::to_string(yd[1]) +
+                             "), expected (" + std::to_string(m) + ", " + std::to_string(n) +
+                             ")");
+  }
+  const ggml_type gt = static_cast<ggml_type>(type);
+  const ggml_type_traits_cpu* ct = ggml_get_type_traits_cpu(gt);
+  if (ct == nullptr || ct->vec_dot == nullptr) {
+    return Fail(kTarget, std::string("ggml has no CPU dot product for ") + ggml_type_name(gt));
+  }
+  const ggml_type vt = ct->vec_dot_type;
+  const ggml_type_traits* vtt = ggml_get_type_traits(vt);
+  if (k % vtt->blck_size != 0) {
+    return Fail(kTarget, "K = " + std::to_string(k) + " is not a multiple of the " +
+                             ggml_type_name(vt) + " block (" +
+                             std::to_string(vtt->blck_size) + ")");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+
+  // x in the dot product's activation type (or as is, when that is F32).
+  thread_local std::vector<uint8_t> xq_buf;  // reused across calls on this thread
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(x.typed_data());
+  size_t xq_row = static_cast<size_t>(k) * sizeof(float);
+  if (vt != GGML_TYPE_F32) {
+    const ggml_type_traits_cpu* vct = ggml_get_type_traits_cpu(vt);
+    if (vct == nullptr || vct->from_float == nullptr) {
+      return Fail(kTarget, std::string("ggml cannot convert activations to ") +
+                               ggml_type_name(vt));
+    }
+    xq_row = static_cast<size_t>(k / vtt->blck_size) * vtt->type_size;
+    xq_buf.resize(xq_row * static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) {
+      vct->from_float(x.typed_data() + i * k, xq_buf.data() + i * xq_row, k);
+    }
+    xq = xq_buf.data();
+  }
+
+  auto job = std::make_shared<Job>();
+  job->chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
+  job->m = m;
+  job->n = n;
+  job->k = k;
+  job->w = w.typed_data();
+  job->w_row = w_row;
+  job->xq = xq;
+  job->xq_row = xq_row;
+  job->y = y->typed_data();
+  job->dot = ct->vec_dot;
+  Run(pool, job, m * n * k);
+  return ffi::Error::Success();
+}
+
+// y[N, K] = W in float32: for products of many rows, XLA's f32 dot after this beats
+// quantizing activations (ops.KERNEL_MAX_ROWS).
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
+                      ffi::ResultBuffer<ffi::F32> y, int32_t type) {
+  constexpr const char* kTarget = "jaxdist_ggml_dequantize_v1";
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (wd.size() != 2 || yd.size() != 2 || yd[0] != wd[0]) {
+    return Fail(kTarget, "expected w (N, row_bytes) and y (N, K) with the same N");
+  }
+  const int64_t n = wd[0], k = yd[1];
+  size_t w_row = 0;
+  if (ffi::Error e = CheckWeights(kTarget, type, k, n, wd[1], &w_row); e.failure()) return e;
+  if (n == 0) return ffi::Error::Success();
+  const ggml_type_traits* tt = ggml_get_type_traits(static_cast<ggml_type>(type));
+  if (tt->to_float == nullptr) {
+    return Fail(kTarget, std::string("ggml cannot dequantize ") + tt->type_name);
+  }
+  auto job = std::make_shared<Job>();
+  job->chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
+  job->n = n;
+  job->k = k;
+  job->w = w.typed_data();
+  job->w_row = w_row;
+  job->y = y->typed_data();
+  job->to_float = tt->to_float;
+  Run(pool, job, n * k * 8);  // converting an element costs about as much as 8 MACs
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#pragma GCC visibility push(default)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV1, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("ggml_type"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlDequantizeV1, Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("ggml_type"));
+#pragma GCC visibility pop
+
+JAXDIST_EXPORT int jaxdist_kernels_abi_version() { return kAbiVersion; }
+
+JAXDIST_EXPORT void jaxdist_kernels_set_threads(int n) { g_threads.store(n < 0 ? 0 : n); }
+
+// 0 when the kernels can run here; otherwise 1, with the reason in `err`.
+JAXDIST_EXPORT int jaxdist_kernels_init(char* err, int err_len) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    std::snprintf(err, err_len,
+                  "this CPU lacks AVX2/FMA, which the libggml-python wheel's CPU kernels use");
+    return 1;
+  }
+#endif
+  ggml_cpu_init();
+  return 0;
+}
+
+// Comma-separated GGML type names the handler accepts, for Info.
+JAXDIST_EXPORT const char* jaxdist_kernels_types() {
+  static std::string names = [] {
+    std::string s;
+    for (int t : kTypes) {
+      if (!s.empty()) s += ",";
+      s += ggml_type_name(static_cast<ggml_type>(t));
+    }
+    return s;
+  }();
+  return names.c_str();
+}

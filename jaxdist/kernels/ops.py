@@ -1,0 +1,146 @@
+"""Quantized weights inside a stage's graph: the ops an exporter's units call.
+
+A GGUF tensor bound as stored reaches a unit as a :class:`QTensor`: the raw uint8 blocks, their
+GGML type, and the logical matrix the unit means. Units multiply with :func:`linear` and look up
+rows with :func:`take_rows`; both also take plain arrays, so one unit serves float and
+quantized weights alike.
+
+:func:`quant_matmul` is where portability is decided. It lowers to
+``lax.platform_dependent(cpu=<the kernel>, default=<dequantize + dot>)``: the serialized stage
+holds both branches, XLA:CPU keeps only the custom call (:data:`jaxdist.kernels.TARGET`), and
+XLA:GPU/TPU fuse the dequantization into their dot. On the CPU, products of many rows (a
+prefill) may be faster as dequantize-then-dot; :data:`KERNEL_MAX_ROWS` is that crossover, as
+measured by ``bench/kernels.py``, and the choice is a ``lax.cond`` on the static row count that
+each compiled shape bucket folds away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from gguf import GGMLQuantizationType
+
+from jaxdist.errors import SpecError
+from jaxdist.kernels import DEQUANTIZE_TARGET, KERNEL_TYPES, TARGET
+from jaxdist.quant import block_layout, dequantize_rows
+
+__all__ = ["KERNEL_MAX_ROWS", "QTensor", "linear", "quant_matmul", "take_rows"]
+
+Array = Any
+
+KERNEL_MAX_ROWS = 64
+"""On the CPU, products with more rows than this dequantize (ggml) and then run XLA's dot."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A matrix held as GGML blocks, as a unit sees it.
+
+    Attributes:
+        blocks: uint8 ``(rows, row_bytes)``, the stored rows (GGUF's ``ne1`` rows of ``ne0``).
+        qtype: the GGML type name, e.g. ``"Q4_K"``.
+        transposed: the unit means the transpose of the stored matrix: a projection weight
+            stored ``(out, in)`` and used as ``x @ W`` with ``W`` ``(in, out)``.
+    """
+
+    blocks: Array
+    qtype: str
+    transposed: bool = False
+
+    @property
+    def stored_shape(self) -> tuple[int, int]:
+        """The stored matrix's element shape ``(rows, cols)``."""
+        elems, nbytes = block_layout(self.qtype)
+        rows, row_bytes = self.blocks.shape
+        return rows, int(row_bytes) // nbytes * elems
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        r, c = self.stored_shape
+        return (c, r) if self.transposed else (r, c)
+
+    @property
+    def T(self) -> QTensor:  # noqa: N802 - mirrors ndarray.T
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def dequantize(self) -> Array:
+        """The logical matrix in float32 (in-graph; materializes it)."""
+        w = dequantize_rows(self.blocks, self.qtype, xp=jnp)
+        return w.T if self.transposed else w
+
+
+def _kernel(x2: Array, blocks: Array, qtype: str) -> Array:
+    n = blocks.shape[0]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, blocks, ggml_type=np.int32(GGMLQuantizationType[qtype].value))
+
+
+def _dot_t(x2: Array, w: Array) -> Array:
+    """``x2 @ w.T`` for ``w`` (N, K)."""
+    return lax.dot_general(x2, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dequantize_dot(x2: Array, blocks: Array, qtype: str) -> Array:
+    """The portable branch: dequantize in the graph (XLA:GPU/TPU fuse it into the dot)."""
+    return _dot_t(x2, dequantize_rows(blocks, qtype, xp=jnp))
+
+
+def _kernel_dequantize_dot(x2: Array, blocks: Array, qtype: str) -> Array:
+    """The CPU's many-rows branch: ggml dequantizes (SIMD), XLA's f32 dot multiplies."""
+    n, k = blocks.shape[0], x2.shape[1]
+    call = jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((n, k), jnp.float32))
+    return _dot_t(x2, call(blocks, ggml_type=np.int32(GGMLQuantizationType[qtype].value)))
+
+
+def quant_matmul(x: Array, blocks: Array, qtype: str) -> Array:
+    """``x @ W.T`` for ``W`` stored as GGML blocks ``(N, row_bytes)``: ``(..., K) -> (..., N)``.
+
+    float32 in and out. The CPU lowering calls the kernel; every other platform dequantizes
+    in the graph.
+
+    Raises:
+        SpecError: ``qtype`` has no kernel, or ``x``'s last dim is not the stored row length.
+    """
+    if qtype not in KERNEL_TYPES:
+        raise SpecError(f"quant_matmul: GGML type {qtype!r} has no kernel; expected one of "
+                        f"{', '.join(KERNEL_TYPES)} (bind other types dequantized)")
+    elems, nbytes = block_layout(qtype)
+    k = int(blocks.shape[1]) // nbytes * elems
+    if int(x.shape[-1]) != k:
+        raise SpecError(f"quant_matmul: x has {x.shape[-1]} features, the {qtype} weight rows "
+                        f"hold {k}")
+    lead = x.shape[:-1]
+    x2 = x.astype(jnp.float32).reshape((-1, k))
+
+    def cpu(x2: Array, blocks: Array) -> Array:
+        many = jnp.asarray(x2.shape[0]) > KERNEL_MAX_ROWS  # a constant once a bucket compiles
+        return lax.cond(many, lambda a, b: _kernel_dequantize_dot(a, b, qtype),
+                        lambda a, b: _kernel(a, b, qtype), x2, blocks)
+
+    y = lax.platform_dependent(x2, blocks, cpu=cpu,
+                               default=lambda a, b: _dequantize_dot(a, b, qtype))
+    return y.reshape((*lead, blocks.shape[0]))
+
+
+def linear(x: Array, w: Array | QTensor) -> Array:
+    """``x @ w`` for a plain array or a :class:`QTensor` (float32 result for a QTensor)."""
+    if not isinstance(w, QTensor):
+        return x @ w
+    if w.transposed:
+        return quant_matmul(x, w.blocks, w.qtype)
+    # Stored (in, out): no kernel layout, so dequantize (rare: exporters bind (out, in)).
+    return x.astype(jnp.float32) @ w.dequantize()
+
+
+def take_rows(table: Array | QTensor, idx: Array, dtype: Any = jnp.float32) -> Array:
+    """``table[idx]`` (an embedding lookup); a QTensor's gathered rows are dequantized."""
+    if not isinstance(table, QTensor):
+        return table[idx]
+    if table.transposed:
+        raise SpecError("take_rows: a transposed QTensor has no stored rows to gather")
+    return dequantize_rows(table.blocks[idx], table.qtype, xp=jnp).astype(dtype)

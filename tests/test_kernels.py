@@ -1,0 +1,202 @@
+"""The CPU kernels (jaxdist.kernels) against independent references.
+
+Every expected value is ``gguf.quants`` dequantization of the same blocks followed by a numpy
+matmul. The kernels quantize activations as llama.cpp does (Q8_0/Q8_1/Q8_K, or f16/bf16), so
+the check is against an error bound computed from that quantization, element by element
+(:func:`ggml_blocks.activation_error`), not a loose relative tolerance; for the Q8_0 types the
+activations are also quantized with ``gguf.quants`` and the product checked tightly.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ggml_blocks
+from jaxdist import kernels
+from jaxdist.errors import SpecError
+from jaxdist.kernels import ops
+from jaxdist.weights import WeightCache
+
+INFO = kernels.load()
+pytestmark = pytest.mark.skipif(not INFO.available,
+                                reason=f"CPU kernels unavailable here: {INFO.reason}")
+
+ROWS = list(range(1, 18))  # batch 1 to 17
+
+
+def _check(y: np.ndarray, x: np.ndarray, wd: np.ndarray, qtype: str, where: str) -> None:
+    ref = x.astype(np.float64) @ wd.T.astype(np.float64)
+    bound = ggml_blocks.activation_error(x, qtype) @ np.abs(wd.T).astype(np.float64)
+    bound += 1e-5 * (np.abs(x) @ np.abs(wd.T)) + 1e-6  # float32 accumulation
+    err = np.abs(y - ref)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), (f"{where}: error {err[worst]:.3g} over the bound "
+                                  f"{bound[worst]:.3g} at {worst}")
+    # The worst case is loose (rounding errors cancel), so check their size too: uniform
+    # rounding within +-e has standard deviation e / sqrt(3), summed over K products.
+    sigma = np.sqrt((ggml_blocks.activation_error(x, qtype) ** 2 / 3) @ (wd.T ** 2))
+    rms, want = np.sqrt(np.mean(err ** 2)), np.sqrt(np.mean(sigma ** 2))
+    assert rms <= 1.5 * want + 1e-6, f"{where}: rms error {rms:.3g}, expected about {want:.3g}"
+
+
+@pytest.fixture(scope="module")
+def matmul():
+    return jax.jit(ops.quant_matmul, static_argnums=2)
+
+
+@pytest.mark.parametrize("qtype", kernels.KERNEL_TYPES)
+def test_kernel_matches_gguf_reference_random(matmul, qtype: str) -> None:
+    rng = np.random.default_rng(abs(hash(qtype)) % 2**32)
+    n, k = 80, 512
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 2.0, (n, 1))).astype(np.float32)
+    blocks = ggml_blocks.quantize(w, qtype)
+    wd = ggml_blocks.dequantize(blocks, qtype)
+    assert np.abs(wd - w).max() < np.abs(w).max()  # the blocks mean what they should
+    for m in ROWS:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = np.asarray(matmul(x, blocks, qtype))
+        assert y.shape == (m, n) and y.dtype == np.float32
+        _check(y, x, wd, qtype, f"{qtype} batch {m}")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0"])
+def test_kernel_is_exact_on_q8_0_activations(matmul, qtype: str) -> None:
+    """With the activations quantized to Q8_0 by gguf.quants, only float rounding is left."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    blocks = ggml_blocks.quantize(w, qtype)
+    wd = ggml_blocks.dequantize(blocks, qtype)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for m in (1, 7, 17):
+        x = rng.standard_normal((m, 256)).astype(np.float32)
+        xq = gguf.quants.dequantize(gguf.quants.quantize(x, q8), q8)
+        y = np.asarray(matmul(x, blocks, qtype))
+        np.testing.assert_allclose(y, xq.astype(np.float64) @ wd.T, rtol=2e-5, atol=2e-4)
+
+
+def test_kernel_on_real_smollm2_tensors(matmul, smollm2: pathlib.Path) -> None:
+    """SmolLM2's own Q4_1 and Q8_0 blocks, as the GGUF stores them."""
+    rng = np.random.default_rng(11)
+    with WeightCache([smollm2.parent]) as cache:
+        infos = cache.describe(smollm2.name)
+        picked = {}
+        for name, info in infos.items():
+            if info.storage_type in ("Q4_1", "Q8_0") and len(info.shape) == 2:
+                picked.setdefault(info.storage_type, name)
+        assert set(picked) == {"Q4_1", "Q8_0"}
+        for qtype, name in picked.items():
+            raw, _ = cache.resolve_bytes(f"gguf://{smollm2.name}#{name}")
+            blocks = np.array(raw[:512])  # 512 rows are plenty
+            wd = ggml_blocks.dequantize(blocks, qtype)
+            for m in (1, 4, 17):
+                x = rng.standard_normal((m, wd.shape[1])).astype(np.float32)
+                _check(np.asarray(matmul(x, blocks, qtype)), x, wd, qtype, f"{name} batch {m}")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "F16"])
+def test_many_rows_take_the_dequantize_branch(matmul, qtype: str) -> None:
+    """Above KERNEL_MAX_ROWS the CPU dequantizes (ggml) and runs XLA's dot: f32 activations."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((40, 256)).astype(np.float32)
+    blocks = ggml_blocks.quantize(w, qtype)
+    wd = ggml_blocks.dequantize(blocks, qtype)
+    m = ops.KERNEL_MAX_ROWS + 3
+    x = rng.standard_normal((m, 256)).astype(np.float32)
+    y = np.asarray(matmul(x, blocks, qtype))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ wd.T, rtol=1e-5, atol=1e-4)
+    text = jax.jit(ops.quant_matmul, static_argnums=2).lower(x, blocks, qtype).compile().as_text()
+    assert kernels.DEQUANTIZE_TARGET in text and kernels.TARGET not in text
+
+
+@pytest.mark.parametrize("qtype", kernels.KERNEL_TYPES)
+def test_portable_branch_numerics_on_cpu(qtype: str) -> None:
+    """The branch GPU/TPU workers compile (in-graph dequantize + dot), run here on the CPU:
+    the dequantization is bit-exact against gguf.quants, so the product is f32-exact."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((24, 256)).astype(np.float32)
+    blocks = ggml_blocks.quantize(w, qtype)
+    wd = ggml_blocks.dequantize(blocks, qtype)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    dq = jax.jit(lambda b: ops.QTensor(b, qtype).dequantize())(blocks)
+    np.testing.assert_array_equal(np.asarray(dq), wd)
+    y = jax.jit(ops._dequantize_dot, static_argnums=2)(x, blocks, qtype)
+    np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ wd.T, rtol=1e-5, atol=1e-4)
+
+
+def test_export_keeps_both_branches_for_every_platform() -> None:
+    """One artifact for cpu, cuda and tpu: the module holds the custom call and the portable
+    dequantize path; the CPU compile keeps only the custom call."""
+    from jax import export
+
+    blocks = ggml_blocks.quantize(np.ones((16, 256), np.float32), "Q4_K")
+    (b,) = export.symbolic_shape("b")
+    exp = export.export(
+        jax.jit(lambda x, w: ops.linear(x, ops.QTensor(w, "Q4_K", transposed=True))),
+        platforms=("cpu", "cuda", "tpu"),
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(t)
+                         for t in sorted(kernels.OWN_TARGETS)])(
+        jax.ShapeDtypeStruct((b, 256), jnp.float32), jax.ShapeDtypeStruct(blocks.shape, jnp.uint8))
+    text = exp.mlir_module()
+    assert exp.platforms == ("cpu", "cuda", "tpu")
+    assert kernels.TARGET in text and "stablehlo.dot_general" in text
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    y = np.asarray(exp.call(x, blocks))
+    _check(y, x, ggml_blocks.dequantize(blocks, "Q4_K"), "Q4_K", "exported")
+
+
+def test_embedding_rows_are_dequantized_in_graph() -> None:
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((50, 64)).astype(np.float32)
+    blocks = ggml_blocks.quantize(table, "Q8_0")
+    idx = np.array([[3, 49, 0], [7, 7, 1]], np.int32)
+    got = jax.jit(lambda b, i: ops.take_rows(ops.QTensor(b, "Q8_0"), i))(blocks, idx)
+    np.testing.assert_array_equal(np.asarray(got), ggml_blocks.dequantize(blocks, "Q8_0")[idx])
+
+
+def test_error_buffer_sizes_checked_by_the_kernel() -> None:
+    """A call whose buffers disagree with the declared type fails with a message naming it,
+    instead of reading past a buffer."""
+    blocks = np.zeros((8, 20), np.uint8)  # Q4_1 rows of 32 elements are 20 bytes: K = 32
+    x = np.zeros((2, 64), np.float32)     # but x says K = 64
+    call = jax.ffi.ffi_call(kernels.TARGET, jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    with pytest.raises(Exception, match=r"jaxdist_ggml_matmul_v1: w rows hold 20 bytes, "
+                                        r"expected 40 for K = 64 of q4_1"):
+        jax.jit(lambda a, b: call(a, b, ggml_type=np.int32(3)))(x, blocks).block_until_ready()
+    bad_out = jax.ffi.ffi_call(kernels.TARGET, jax.ShapeDtypeStruct((2, 9), jnp.float32))
+    with pytest.raises(Exception, match=r"y is \(2, 9\), expected \(2, 8\)"):
+        jax.jit(lambda a, b: bad_out(a, b, ggml_type=np.int32(3)))(
+            x[:, :32], blocks).block_until_ready()
+    with pytest.raises(Exception, match=r"unsupported ggml_type 16"):
+        jax.jit(lambda a, b: call(a, b, ggml_type=np.int32(16)))(x, blocks).block_until_ready()
+
+
+def test_error_quant_matmul_wrong_width_or_type() -> None:
+    blocks = np.zeros((8, 20), np.uint8)
+    with pytest.raises(SpecError, match=r"x has 64 features, the Q4_1 weight rows hold 32"):
+        jax.jit(lambda x: ops.quant_matmul(x, blocks, "Q4_1"))(np.zeros((1, 64), np.float32))
+    with pytest.raises(SpecError, match=r"GGML type 'IQ2_XS' has no kernel"):
+        ops.quant_matmul(np.zeros((1, 32), np.float32), blocks, "IQ2_XS")
+
+
+def test_kernel_info_and_threads() -> None:
+    assert INFO.types == kernels.KERNEL_TYPES
+    assert set(INFO.targets) == kernels.OWN_TARGETS
+    assert INFO.version.startswith(f"{kernels.ABI_VERSION}+ggml-")
+    try:
+        assert kernels.load(threads=1).threads == 1
+        rng = np.random.default_rng(9)
+        w = rng.standard_normal((600, 512)).astype(np.float32)
+        blocks = ggml_blocks.quantize(w, "Q4_K")
+        x = rng.standard_normal((8, 512)).astype(np.float32)
+        one = np.asarray(jax.jit(ops.quant_matmul, static_argnums=2)(x, blocks, "Q4_K"))
+        kernels.load(threads=2)
+        two = np.asarray(jax.jit(ops.quant_matmul, static_argnums=2)(x, blocks, "Q4_K"))
+        np.testing.assert_array_equal(one, two)  # the split changes no result
+    finally:
+        kernels.load(threads=0)
