@@ -102,7 +102,7 @@ def write_llama_gguf(path, *, types: dict[str, str], seed: int = 0, layers: int 
     tensors.append(("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(
         np.float32), "F32", None))
     if "output" in types:
-        add("output.weight", vocab, hidden, "output", 8 * hidden ** -0.5)  # peaked logits
+        add("output.weight", vocab, hidden, "output", 20 * hidden ** -0.5)  # peaked logits
     for i in range(layers):
         for n in ("attn_norm", "ffn_norm"):
             tensors.append((f"blk.{i}.{n}.weight", (1 + 0.1 * rng.standard_normal(hidden)

@@ -1,0 +1,213 @@
+"""Quantized GGUF files on real workers: K-quant parity, kernel capability negotiation, the
+refusals, and the GGUF variants llama.cpp accepts (no tokenizer, split in parts).
+
+Every expected token comes from tests/quant_reference.py (a numpy forward pass with llama.cpp's
+activation quantization) or from a single-process run of the same exported functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import ggml_blocks
+from jaxdist import kernels
+from jaxdist.coordinator import Cluster
+from jaxdist.errors import ArtifactError, SpecError
+from jaxdist.exporters.llama import llama_model
+from jaxdist.generation import Generator, SamplingParams
+from jaxdist.inprocess import InProcessPipeline
+from jaxdist.local import spawn_workers, stop_workers
+from jaxdist.publishing import publish
+from quant_reference import QuantLlama
+
+pytestmark = pytest.mark.skipif(not kernels.load().available,
+                                reason=f"CPU kernels unavailable: {kernels.load().reason}")
+
+# What a Q4_K_M file mixes: K-quants in the layers, Q8_0 embedding, Q6_K output.
+KQUANTS = {"embed": "Q8_0", "attn": "Q4_K", "ffn": "Q5_K", "down": "Q6_K", "output": "Q6_K"}
+OTHERS = {"embed": "Q4_0", "attn": "Q3_K", "ffn": "Q2_K", "down": "Q5_1", "output": "F16"}
+PROMPT = [1, 2, 3, 4, 5, 6]
+N_NEW = 10
+NEAR_TIE = 0.25  # logits, as in tests/test_quantized_llm.py
+
+
+def _model(name: str, root: pathlib.Path, **kw: object):
+    model = llama_model(name, roots=[root], max_slots=2, max_seq=32, prefill_buckets=(8,), **kw)
+    return dataclasses.replace(model, buckets=[{"b": 1, "s": 1}, {"b": 1, "s": 8}])
+
+
+def _generate(pipe, model) -> list[int]:
+    gen = Generator(pipe, input_dtypes={k: v[1] for k, v in model.inputs.items()},
+                    max_slots=2, max_seq=32, prefill_buckets=(8,))
+    (r,) = gen.run([PROMPT], SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    return r.tokens
+
+
+def _check_tokens(got: list[int], path: pathlib.Path) -> None:
+    want, margins = QuantLlama(str(path)).greedy(PROMPT, N_NEW)
+    first_tie = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(want))
+    assert first_tie >= 3, f"the test model is too flat to test with: margins {margins}"
+    assert got[:first_tie] == want[:first_tie], (got, want, margins)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("quant_gguf")
+    ggml_blocks.write_llama_gguf(root / "kq.gguf", types=KQUANTS, seed=1)
+    ggml_blocks.write_llama_gguf(root / "other.gguf", types=OTHERS, seed=2)
+    ggml_blocks.write_llama_gguf(root / "split.gguf", types=KQUANTS, seed=1, parts=3)
+    return root
+
+
+@pytest.mark.parametrize("name", ["kq.gguf", "other.gguf"])
+def test_quantized_gguf_on_two_workers_matches_reference(files: pathlib.Path, name: str
+                                                         ) -> None:
+    model = _model(name, files)
+    packed = {p.quant for u in model.units for p in u.params.values() if p.packed}
+    assert packed == set((KQUANTS if name == "kq.gguf" else OTHERS).values())
+    with Cluster.local(2, weights_roots=[str(files)]) as cluster:
+        with cluster.deploy(model, stages=2) as pipe:
+            got = _generate(pipe, model)
+            memory = pipe.stage_memory()
+    _check_tokens(got, files / name)
+    assert all(m["packed_bytes"] > 0 and not m["dequantized_types"] for m in memory)
+
+
+def test_split_gguf_loads_as_one_model(files: pathlib.Path) -> None:
+    """The parts of a split GGUF (split.count 3) are one model: the same tokens as the whole
+    file, each weight URI naming the part that holds it."""
+    parts = sorted(p.name for p in files.glob("split-*.gguf"))
+    assert parts == [f"split-0000{k}-of-00003.gguf" for k in (1, 2, 3)]
+    model = _model(parts[0], files)
+    used = {p.uri.split("#")[0].removeprefix("gguf://") for u in model.units
+            for p in u.params.values()}
+    assert used == set(parts)
+    with InProcessPipeline(model, weights_roots=[str(files)], stages=2) as pipe:
+        split_tokens = _generate(pipe, model)
+    with InProcessPipeline(_model("kq.gguf", files), weights_roots=[str(files)]) as pipe:
+        whole_tokens = _generate(pipe, _model("kq.gguf", files))
+    assert split_tokens == whole_tokens
+    _check_tokens(split_tokens, files / "kq.gguf")
+
+
+def test_error_split_gguf_not_its_first_part(files: pathlib.Path) -> None:
+    with pytest.raises(SpecError, match=r"'split-00002-of-00003.gguf' is part 2 of a GGUF split "
+                                        r"in 3 \(split.count\); give the first part"):
+        _model("split-00002-of-00003.gguf", files)
+    (files / "split-00003-of-00003.gguf").rename(files / "gone.gguf")
+    try:
+        with pytest.raises(Exception, match=r"split-00003-of-00003.gguf"):
+            _model("split-00001-of-00003.gguf", files)
+    finally:
+        (files / "gone.gguf").rename(files / "split-00003-of-00003.gguf")
+
+
+def test_gguf_without_tokenizer_generates_from_prompt_ids(files: pathlib.Path) -> None:
+    """tokenizer.ggml.model = "none" (llama.cpp accepts it): generate takes --prompt-ids and
+    prints text null."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist.cli", "generate", "--model", str(files / "kq.gguf"),
+         "--local", "1", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens",
+         str(N_NEW), "--max-seq", "32", "--slots", "2", "--buckets", "8", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] is None and out["prompt_ids"] == PROMPT
+    _check_tokens(out["tokens"], files / "kq.gguf")
+    assert len(out["stage_weight_bytes"]) == 1 and out["stage_memory"][0]["packed_bytes"] > 0
+    noprompt = subprocess.run(
+        [sys.executable, "-m", "jaxdist.cli", "generate", "--model", str(files / "kq.gguf"),
+         "--local", "1", "--prompt", "hello"], capture_output=True, text=True, timeout=600)
+    assert noprompt.returncode != 0 and "has no tokenizer here; pass --prompt-ids" in \
+        noprompt.stderr
+
+
+def test_worker_info_advertises_its_kernels(files: pathlib.Path) -> None:
+    plain = spawn_workers(1, weights_roots=[str(files)])
+    bare = spawn_workers(1, weights_roots=[str(files)], extra_args=["--no-kernels",
+                                                                   "--kernel-threads", "1"])
+    try:
+        with Cluster.connect([plain[0].address, bare[0].address]) as cluster:
+            k_plain, k_bare = (c.info().kernels for c in cluster.clients)
+    finally:
+        stop_workers(plain + bare)
+    assert k_plain.version.startswith(f"{kernels.ABI_VERSION}+ggml-")
+    assert tuple(k_plain.types) == kernels.KERNEL_TYPES
+    assert set(k_plain.targets) == kernels.OWN_TARGETS and not k_plain.unavailable_reason
+    assert (k_bare.version, list(k_bare.types), list(k_bare.targets)) == ("", [], [])
+    assert k_bare.unavailable_reason == "disabled (--no-kernels)"
+
+
+def test_worker_without_kernels_gets_its_stage_dequantized(files: pathlib.Path, caplog
+                                                           ) -> None:
+    """A mixed cluster: the stage on the worker with kernels stays packed; the stage on the
+    worker without binds float32, and the coordinator says so. Same function, so the tokens
+    equal a single-process run that dequantizes at stage 1 only."""
+    model = _model("kq.gguf", files)
+    plain = spawn_workers(1, weights_roots=[str(files)])
+    bare = spawn_workers(1, weights_roots=[str(files)], extra_args=["--no-kernels"])
+    try:
+        with Cluster.connect([plain[0].address, bare[0].address]) as cluster:
+            with caplog.at_level(logging.WARNING, logger="jaxdist.coordinator"):
+                with cluster.deploy(model, stages=2) as pipe:
+                    got = _generate(pipe, model)
+                    memory = pipe.stage_memory()
+                    split = [len(r) for r in _ranges(pipe, model)]
+    finally:
+        stop_workers(plain + bare)
+    assert f"worker {bare[0].address} advertises no CPU kernels" in caplog.text
+    assert memory[0]["packed_bytes"] > 0 and not memory[0]["dequantized_types"]
+    assert memory[1]["packed_bytes"] == 0
+    assert set(memory[1]["dequantized_types"]) <= set(KQUANTS.values())
+    assert memory[1]["dequantized_types"]
+    # The reference: stage 1's units dequantized, in one process.
+    from jaxdist.coordinator import _unpacked
+
+    units = list(model.units)
+    units[split[0]:] = [_unpacked(u) for u in units[split[0]:]]
+    mixed = dataclasses.replace(model, units=units)
+    with InProcessPipeline(mixed, weights_roots=[str(files)], split=split) as pipe:
+        assert _generate(pipe, mixed) == got
+
+
+def _ranges(pipe, model) -> list[range]:
+    """The unit ranges of a deployed pipeline, from its specs' weight names."""
+    names = [u.name for u in model.units]
+    out = []
+    for spec in pipe.specs:
+        idx = sorted({names.index(w.param.rsplit(".", 1)[0]) for w in spec.weights})
+        out.append(range(idx[0], idx[-1] + 1))
+    return out
+
+
+def test_error_kernel_manifest_refused_at_load_stage(files: pathlib.Path,
+                                                     tmp_path: pathlib.Path) -> None:
+    """A manifest exported with packed weights, deployed onto a worker that has no kernels:
+    LoadStage refuses it and names the kernel and the worker, before any frame."""
+    pub = publish(_model("kq.gguf", files), tmp_path / "registry", stages=1)
+    bare = spawn_workers(1, weights_roots=[str(files)], extra_args=["--no-kernels"])
+    try:
+        with Cluster.connect([bare[0].address]) as cluster:
+            with pytest.raises(ArtifactError) as err:
+                cluster.deploy_manifest(pub.manifest, registry=pub.registry)
+            assert cluster.clients[0].info().stages == []
+    finally:
+        stop_workers(bare)
+    msg = str(err.value)
+    assert "calls the CPU kernel jaxdist_ggml_" in msg
+    assert f"worker {bare[0].address} does not have (disabled (--no-kernels))" in msg
+
+
+def test_error_half_precision_refused_on_cpu(files: pathlib.Path) -> None:
+    model = _model("kq.gguf", files, dtype="bfloat16")
+    with Cluster.local(1, weights_roots=[str(files)]) as cluster:
+        with pytest.raises(SpecError, match=r"stage 0 of 'kq.gguf' binds bfloat16 weights on "
+                                            r"CPU worker .*no fast half-precision matmul"):
+            cluster.deploy(model)
