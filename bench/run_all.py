@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "command": "python bench/llamacpp.py --setup-only",
                                  "error": build["error"]})
                     continue
-                extra = ["--decode-json", str(OUT / "decode.json")]
+                extra = []
             if name == "soak" and not opts.quick:
                 extra = ["--minutes", SOAK_MINUTES]
             runs.append(run_bench(name, opts.quick, extra))

@@ -214,7 +214,11 @@ class StageSpec:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(w.nbytes for w in self.weights)
+        """Bytes the stage binds: weights with the same binding (a tied embedding bound packed,
+        as lookup table and LM head) are bound once, and count once."""
+        unique = {(w.uri, w.shape, w.dtype, w.sha256, w.packed, w.transpose, w.quant): w
+                  for w in self.weights}
+        return sum(w.nbytes for w in unique.values())
 
     @property
     def state_bytes(self) -> int:

@@ -11,15 +11,19 @@
 // - `jaxdist_ggml_dequantize_v1`: W to float32 with ggml's `to_float`, for products of many
 //   rows (prefill), which XLA's f32 dot then computes faster than row-pair dot products.
 //
-// Rows of W are split into chunks that the calling thread and up to `threads - 1` tasks on
-// XLA's intra-op pool claim from an atomic counter; the caller waits only for claimed
-// chunks, so a pool with no free thread cannot deadlock it (it then does every chunk itself).
+// Rows of W are split into chunks that the calling thread and up to `threads - 1` helper
+// threads claim from an atomic counter (class Helpers).
 //
 // Every buffer is checked against the declared type and shapes before anything is read.
 // Built at first use by jaxdist/kernels/build.py; nothing here is copied from ggml.
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <mutex>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -45,9 +49,9 @@ constexpr int kTypes[] = {GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q4_0, GGML_T
                           GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
 constexpr int64_t kRowsPerChunk = 16;  // rows of W per claimed unit of work
 constexpr int64_t kActBlock = 64;      // rows of x kept hot per pass over a chunk
-constexpr int64_t kMinSplitWork = int64_t{1} << 21;  // multiply-adds below which one thread runs
+constexpr int64_t kMinSplitWork = int64_t{1} << 24;  // multiply-adds below which one thread runs
 
-std::atomic<int> g_threads{0};  // 0: as many as XLA's pool has (plus the caller)
+std::atomic<int> g_threads{0};  // 0: one per hardware thread (the caller included)
 
 bool Supported(int type) {
   for (int t : kTypes) {
@@ -59,6 +63,8 @@ bool Supported(int type) {
 struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  std::atomic<int64_t> helpers{0};  // helpers that joined
+  int64_t max_helpers = 0;
   int64_t chunks = 0;
   int64_t m = 0, n = 0, k = 0;
   const uint8_t* w = nullptr;
@@ -98,23 +104,107 @@ ffi::Error Fail(const char* target, const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(target) + ": " + msg);
 }
 
-// Runs the job's chunks on the caller and up to threads - 1 pool tasks; returns when all
-// chunks are done. Tasks that start late find nothing left and return.
-void Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t macs) {
+// Helper threads of the kernels. A product is split into chunks that the caller and up to
+// `threads - 1` helpers claim from the job's atomic counter. A helper that finds no work spins
+// for kSpinMicros before it sleeps, so within a decode step (a kernel call every few tens of
+// microseconds) handing work over costs nanoseconds, not the tens of microseconds of waking a
+// sleeping thread; between steps the helpers sleep. The caller waits only for chunks that were
+// claimed and does the rest itself, so a helper that is late (or descheduled on a busy machine)
+// delays nothing but its own chunk, and concurrent calls cannot deadlock.
+class Helpers {
+ public:
+  void Run(const std::shared_ptr<Job>& job, int64_t threads) {
+    if (threads > 1) {
+      job->max_helpers = threads - 1;
+      Start(threads - 1);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        jobs_.push_back(job);
+      }
+      posted_.fetch_add(1, std::memory_order_release);
+      if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+    }
+    job->Work();
+    int spins = 0;
+    while (job->done.load(std::memory_order_acquire) < job->chunks) {
+      if (++spins > 256) std::this_thread::yield();
+    }
+    if (threads > 1) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+        if (*it == job) {
+          jobs_.erase(it);
+          break;
+        }
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpinMicros = 20;
+
+  void Start(int64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (static_cast<int64_t>(started_) < n) {
+      std::thread(&Helpers::Loop, this).detach();  // they live as long as the process
+      ++started_;
+    }
+  }
+
+  std::shared_ptr<Job> Next() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& job : jobs_) {
+      if (job->next.load(std::memory_order_relaxed) < job->chunks &&
+          job->helpers.fetch_add(1, std::memory_order_relaxed) < job->max_helpers) {
+        return job;
+      }
+    }
+    return nullptr;
+  }
+
+  void Loop() {
+    for (;;) {
+      int seen = posted_.load(std::memory_order_acquire);
+      if (std::shared_ptr<Job> job = Next()) {
+        job->Work();
+        continue;
+      }
+      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+      while (posted_.load(std::memory_order_acquire) == seen &&
+             std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      if (posted_.load(std::memory_order_acquire) != seen) continue;
+      std::unique_lock<std::mutex> lock(mu_);
+      sleeping_.fetch_add(1, std::memory_order_acq_rel);
+      cv_.wait(lock, [&] { return posted_.load(std::memory_order_acquire) != seen; });
+      sleeping_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> jobs_;
+  std::atomic<int> posted_{0};
+  std::atomic<int> sleeping_{0};
+  size_t started_ = 0;
+};
+
+Helpers& TheHelpers() {
+  static Helpers* helpers = new Helpers();  // never destroyed: detached threads use it
+  return *helpers;
+}
+
+void Run(const std::shared_ptr<Job>& job, int64_t macs) {
   int64_t threads = g_threads.load(std::memory_order_relaxed);
-  if (threads <= 0) threads = pool.num_threads() + 1;
-  // Waking a pool thread costs tens of microseconds, more than a decode step's layer
-  // matvec takes (bench/kernels.py): only large products are split.
+  if (threads <= 0) threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  // Splitting has a cost too (the chunks' results meet in one cache): small products run on
+  // the caller alone (bench/NOTES.md, "CPU kernels").
   if (macs < kMinSplitWork) threads = 1;
   if (threads > job->chunks) threads = job->chunks;
-  for (int64_t t = 1; t < threads; ++t) {
-    pool.Schedule([job] { job->Work(); });
-  }
-  job->Work();
-  int spins = 0;
-  while (job->done.load(std::memory_order_acquire) < job->chunks) {
-    if (++spins > 64) std::this_thread::yield();
-  }
+  TheHelpers().Run(job, threads);
 }
 
 // Checks w (N, row_bytes) against the type and K; fills the row size.
@@ -137,7 +227,7 @@ ffi::Error CheckWeights(const char* target, int32_t type, int64_t k, int64_t n_r
   return ffi::Error::Success();
 }
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                   ffi::ResultBuffer<ffi::F32> y, int32_t type) {
   constexpr const char* kTarget = "jaxdist_ggml_matmul_v1";
   auto xd = x.dimensions();
@@ -199,13 +289,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   job->xq_row = xq_row;
   job->y = y->typed_data();
   job->dot = ct->vec_dot;
-  Run(pool, job, m * n * k);
+  Run(job, m * n * k);
   return ffi::Error::Success();
 }
 
 // y[N, K] = W in float32: for products of many rows, XLA's f32 dot after this beats
 // quantizing activations (ops.KERNEL_MAX_ROWS).
-ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
+ffi::Error Dequantize(ffi::Buffer<ffi::U8> w,
                       ffi::ResultBuffer<ffi::F32> y, int32_t type) {
   constexpr const char* kTarget = "jaxdist_ggml_dequantize_v1";
   auto wd = w.dimensions();
@@ -229,7 +319,7 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
   job->w_row = w_row;
   job->y = y->typed_data();
   job->to_float = tt->to_float;
-  Run(pool, job, n * k * 8);  // converting an element costs about as much as 8 MACs
+  Run(job, n * k * 8);  // converting an element costs about as much as 8 MACs
   return ffi::Error::Success();
 }
 
@@ -238,14 +328,12 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
 #pragma GCC visibility push(default)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV1, Matmul,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("ggml_type"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlDequantizeV1, Dequantize,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("ggml_type"));
