@@ -183,7 +183,7 @@ def test_generation_without_spares_fails_naming_the_worker(tiny_llama, victim_in
 
         with pytest.raises(RemoteStageError, match=victim.address) as err:
             gen.run(PROMPTS, _params(), on_token=on_token)
-        assert victim.process.poll() == -signal.SIGKILL
+        assert victim.process.wait(timeout=10) == -signal.SIGKILL
         # It stays broken: the failover found no spare to move the dead worker's stages to.
         assert isinstance(pipe.broken, TransportError)
         assert f"worker {victim.address} is dead and no spare" in str(pipe.broken)
