@@ -45,6 +45,13 @@ def _check(y: np.ndarray, x: np.ndarray, wd: np.ndarray, qtype: str, where: str)
     assert rms <= 1.5 * want + 1e-6, f"{where}: rms error {rms:.3g}, expected about {want:.3g}"
 
 
+def _random_blocks(rng: np.random.Generator, shape: tuple[int, int], qtype: str
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Random float32 weights quantized to ``qtype``: (blocks, their gguf.quants decoding)."""
+    blocks = ggml_blocks.quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+    return blocks, ggml_blocks.dequantize(blocks, qtype)
+
+
 @pytest.fixture(scope="module")
 def matmul():
     return jax.jit(ops.quant_matmul, static_argnums=2)
@@ -69,9 +76,7 @@ def test_kernel_matches_gguf_reference_random(matmul, qtype: str) -> None:
 def test_kernel_is_exact_on_q8_0_activations(matmul, qtype: str) -> None:
     """With the activations quantized to Q8_0 by gguf.quants, only float rounding is left."""
     rng = np.random.default_rng(5)
-    w = rng.standard_normal((48, 256)).astype(np.float32)
-    blocks = ggml_blocks.quantize(w, qtype)
-    wd = ggml_blocks.dequantize(blocks, qtype)
+    blocks, wd = _random_blocks(rng, (48, 256), qtype)
     q8 = gguf.GGMLQuantizationType.Q8_0
     for m in (1, 7, 17):
         x = rng.standard_normal((m, 256)).astype(np.float32)
@@ -103,9 +108,7 @@ def test_kernel_on_real_smollm2_tensors(matmul, smollm2: pathlib.Path) -> None:
 def test_many_rows_take_the_dequantize_branch(matmul, qtype: str) -> None:
     """Above KERNEL_MAX_ROWS the CPU dequantizes (ggml) and runs XLA's dot: f32 activations."""
     rng = np.random.default_rng(2)
-    w = rng.standard_normal((40, 256)).astype(np.float32)
-    blocks = ggml_blocks.quantize(w, qtype)
-    wd = ggml_blocks.dequantize(blocks, qtype)
+    blocks, wd = _random_blocks(rng, (40, 256), qtype)
     m = ops.KERNEL_MAX_ROWS + 3
     x = rng.standard_normal((m, 256)).astype(np.float32)
     y = np.asarray(matmul(x, blocks, qtype))
@@ -119,9 +122,7 @@ def test_portable_branch_numerics_on_cpu(qtype: str) -> None:
     """The branch GPU/TPU workers compile (in-graph dequantize + dot), run here on the CPU:
     the dequantization is bit-exact against gguf.quants, so the product is f32-exact."""
     rng = np.random.default_rng(3)
-    w = rng.standard_normal((24, 256)).astype(np.float32)
-    blocks = ggml_blocks.quantize(w, qtype)
-    wd = ggml_blocks.dequantize(blocks, qtype)
+    blocks, wd = _random_blocks(rng, (24, 256), qtype)
     x = rng.standard_normal((5, 256)).astype(np.float32)
     dq = jax.jit(lambda b: ops.QTensor(b, qtype).dequantize())(blocks)
     np.testing.assert_array_equal(np.asarray(dq), wd)

@@ -16,7 +16,7 @@ that worker's weights dequantized.
 Why ggml's kernels and not our own: ggml's CPU dot products (``ggml_get_type_traits_cpu``) are
 llama.cpp's, cover every GGML type with hand-tuned AVX2 code, and quantize activations exactly as
 llama.cpp does, so a jaxdist worker computes what llama.cpp computes. The handler around them is
-about 200 lines; the trust placed in the prebuilt wheel is the trust placed in any binary wheel
+about 300 lines; the trust placed in the prebuilt wheel is the trust placed in any binary wheel
 (numpy, jaxlib). See docs/kernels.md.
 """
 
@@ -32,8 +32,8 @@ from jaxdist.errors import ArtifactError
 
 from jaxdist.kernels.build import KernelBuildError, build, find_ggml
 
-__all__ = ["ABI_VERSION", "DEQUANTIZE_TARGET", "KERNEL_TYPES", "OWN_TARGETS", "TARGET", "KernelBuildError",
-           "KernelInfo", "load", "loaded", "require"]
+__all__ = ["ABI_VERSION", "DEQUANTIZE_TARGET", "KERNEL_TYPES", "OWN_TARGETS", "TARGET",
+           "KernelBuildError", "KernelInfo", "load", "loaded", "require"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class KernelInfo:
         version: ``"<abi>+ggml-<libggml version>"`` when available, else ``""``.
         types: the GGML types with a kernel (empty when unavailable).
         targets: custom call targets registered (empty when unavailable).
-        threads: threads per call (0: XLA's intra-op pool plus the caller).
+        threads: threads per call (0: one per core, the caller included).
         reason: why the kernels are unavailable ("" when they are).
     """
 
@@ -112,7 +112,7 @@ def load(*, threads: int = 0, enabled: bool = True) -> KernelInfo:
     """Build (first time), load and register the CPU kernels in this process; idempotent.
 
     Args:
-        threads: threads per kernel call (0: XLA's intra-op pool size plus the caller).
+        threads: threads per kernel call (0: one per core, the caller included).
             Changing it on a later call takes effect for later calls.
         enabled: ``False`` registers nothing and reports the kernels unavailable (the worker's
             ``--no-kernels``).

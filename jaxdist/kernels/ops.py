@@ -9,9 +9,9 @@ quantized weights alike.
 ``lax.platform_dependent(cpu=<the kernel>, default=<dequantize + dot>)``: the serialized stage
 holds both branches, XLA:CPU keeps only the custom call (:data:`jaxdist.kernels.TARGET`), and
 XLA:GPU/TPU fuse the dequantization into their dot. On the CPU, products of many rows (a
-prefill) may be faster as dequantize-then-dot; :data:`KERNEL_MAX_ROWS` is that crossover, as
-measured by ``bench/kernels.py``, and the choice is a ``lax.cond`` on the static row count that
-each compiled shape bucket folds away.
+prefill) are faster as dequantize-then-dot; :data:`KERNEL_MAX_ROWS` is that crossover, as
+measured in bench/NOTES.md ("CPU kernels"), and the choice is a ``lax.cond`` on the static
+row count that each compiled shape bucket folds away.
 """
 
 from __future__ import annotations
