@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxdist.kernels import ops
+
 __all__ = [
     "apply_rope",
     "cache_attention",
@@ -149,9 +151,8 @@ def cache_attention(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array
         ``(out, k_cache, v_cache)``: ``out`` is ``(b, s, n_heads, head_dim)`` in ``q``'s dtype;
         the caches are updated (in place once the stage donates them).
     """
-    b, s, n_heads, hd = q.shape
+    b, s = q.shape[0], q.shape[1]
     n_kv = k.shape[2]
-    group = n_heads // n_kv
     qpos = step_positions(pos, q)                                         # (b, s)
     rows = jnp.broadcast_to(slot[:, None, None], (b, s, n_kv))
     heads = lax.broadcasted_iota(jnp.int32, (b, s, n_kv), 2)
@@ -159,6 +160,19 @@ def cache_attention(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array
     # Positions >= max_seq fall outside the cache and are dropped instead of clamped.
     k_cache = k_cache.at[rows, heads, cols].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, heads, cols].set(v.astype(v_cache.dtype), mode="drop")
+    # On a CPU worker with the kernels, a decode step reads only the positions in use.
+    out = ops.cache_attention(q, k_cache, v_cache, slot, pos, length,
+                              scale=q.shape[3] ** -0.5, portable=_attend)
+    return out, k_cache, v_cache
+
+
+def _attend(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: Array, length: Array
+            ) -> Array:
+    """The portable read of :func:`cache_attention`: each row's whole slot, masked."""
+    b, s, n_heads, hd = q.shape
+    n_kv = k_cache.shape[1]
+    group = n_heads // n_kv
+    qpos = step_positions(pos, q)                                         # (b, s)
     keys = k_cache[slot].astype(jnp.float32)                              # (b, kv, T, hd)
     vals = v_cache[slot].astype(jnp.float32)
     # Queries grouped by their key/value head: (b, kv, group * s, hd), head = kv * group + g.
@@ -171,7 +185,7 @@ def cache_attention(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array
     probs = jax.nn.softmax(scores, axis=-1).reshape(b, n_kv, group * s, -1)
     out = jnp.einsum("bkqt,bktd->bkqd", probs, vals).reshape(b, n_kv, group, s, hd)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, n_heads, hd)
-    return out.astype(q.dtype), k_cache, v_cache
+    return out.astype(q.dtype)
 
 
 def last_valid(x: Array, length: Array) -> Array:

@@ -33,6 +33,7 @@ from jaxdist import artifacts, codec, kernels
 from jaxdist.errors import ArtifactError, JaxdistError, SpecError, TransportError
 from jaxdist.local import LocalWorker, spawn_workers, stop_workers
 from jaxdist.manifest import Manifest, open_manifest
+from jaxdist.kernels import ops
 from jaxdist.kernels.ops import QTensor
 from jaxdist.model import Model, Param, Unit
 from jaxdist.partition import balanced_split, explicit_split
@@ -132,17 +133,19 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
             units = [_unpacked(u) for u in units]
         params = {f"{u.name}.{n}": p for u in units for n, p in u.params.items()}
         state = {f"{u.name}.{n}": sd for u in units for n, sd in u.state.items()}
-        art = artifacts.export_stage(
-            _stage_fn(units),
-            params={n: jax.ShapeDtypeStruct(p.bound_shape, jax.numpy.dtype(p.bound_dtype))
-                    for n, p in params.items()},
-            # Packed weights reach the CPU kernels (jaxdist.kernels) through a custom call.
-            unstable_custom_calls=tuple(sorted(kernels.OWN_TARGETS))
-            if any(p.packed for p in params.values())
-            else (),
-            state={n: jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype))
-                   for n, (shape, dtype) in state.items()},
-            inputs=inputs, platforms=platforms, symbolic_constraints=tuple(model.constraints))
+        # A stage with packed weights calls the CPU kernels (jaxdist.kernels) through custom
+        # calls: its matmuls, and its decode attention (ops.cache_attention).
+        for_kernels = any(p.packed for p in params.values())
+        with ops.exporting_for_kernels(for_kernels):
+            art = artifacts.export_stage(
+                _stage_fn(units),
+                params={n: jax.ShapeDtypeStruct(p.bound_shape, jax.numpy.dtype(p.bound_dtype))
+                        for n, p in params.items()},
+                unstable_custom_calls=tuple(sorted(kernels.OWN_TARGETS)) if for_kernels else (),
+                state={n: jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype))
+                       for n, (shape, dtype) in state.items()},
+                inputs=inputs, platforms=platforms,
+                symbolic_constraints=tuple(model.constraints))
         meta = art.meta
         symbols = {d for t in meta.inputs for d in t.dims if isinstance(parse_dim(d), str)}
         buckets = []

@@ -201,7 +201,7 @@ def test_error_kernel_manifest_refused_at_load_stage(files: pathlib.Path,
     finally:
         stop_workers(bare)
     msg = str(err.value)
-    assert "calls the CPU kernel jaxdist_ggml_" in msg
+    assert "calls the CPU kernels jaxdist_cache_attention_v1, jaxdist_ggml_" in msg
     assert f"worker {bare[0].address} does not have (disabled (--no-kernels))" in msg
 
 
@@ -211,3 +211,18 @@ def test_error_half_precision_refused_on_cpu(files: pathlib.Path) -> None:
         with pytest.raises(SpecError, match=r"stage 0 of 'kq.gguf' binds bfloat16 weights on "
                                             r"CPU worker .*no fast half-precision matmul"):
             cluster.deploy(model)
+
+
+def test_kernel_stages_call_the_attention_kernel_and_dequantized_ones_none(
+        files: pathlib.Path) -> None:
+    """A stage bound packed calls the matmul and the decode attention kernels (its CPU
+    lowering); the same stage bound dequantized (a worker without kernels) calls none."""
+    from jaxdist.coordinator import build_stage_specs
+
+    model = _model("kq.gguf", files)
+    ranges = [range(len(model.units))]
+    (packed,) = build_stage_specs(model, ranges)
+    (plain,) = build_stage_specs(model, ranges, unpack=[True])
+    assert {kernels.TARGET, kernels.ATTENTION_TARGET} <= set(packed.artifact.meta.
+                                                             custom_call_targets)
+    assert not set(plain.artifact.meta.custom_call_targets) & kernels.OWN_TARGETS

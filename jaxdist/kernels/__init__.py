@@ -5,7 +5,9 @@ quantized model stays quantized in memory and decode reads the narrow bytes. The
 handlers (``ggml_matmul.cc``, built on first use by :mod:`jaxdist.kernels.build`) under the
 versioned target name :data:`TARGET`; exported stages reach them through
 ``lax.platform_dependent`` (:mod:`jaxdist.kernels.ops`), so the same artifact also runs on
-GPU/TPU workers, which dequantize in the graph instead.
+GPU/TPU workers, which dequantize in the graph instead. A third handler (``attention.cc``,
+:data:`ATTENTION_TARGET`) attends a decode step over the slot KV cache reading only the
+positions in use; quantized stages call it too.
 
 :func:`load` builds, loads and registers the library once per process and returns a
 :class:`KernelInfo`. It never raises: a library that cannot be had (no compiler, no
@@ -32,7 +34,7 @@ from jaxdist.errors import ArtifactError
 
 from jaxdist.kernels.build import KernelBuildError, build, find_ggml
 
-__all__ = ["ABI_VERSION", "DEQUANTIZE_TARGET", "KERNEL_TYPES", "OWN_TARGETS", "TARGET",
+__all__ = ["ABI_VERSION", "ATTENTION_TARGET", "DEQUANTIZE_TARGET", "KERNEL_TYPES", "OWN_TARGETS", "TARGET",
            "KernelBuildError", "KernelInfo", "load", "loaded", "require"]
 
 log = logging.getLogger(__name__)
@@ -42,8 +44,10 @@ TARGET = "jaxdist_ggml_matmul_v1"
 """The custom call target of the quantized matmul; a new ABI gets a new name, never a change."""
 DEQUANTIZE_TARGET = "jaxdist_ggml_dequantize_v1"
 """GGML blocks to float32 on the CPU (the many-rows path of the matmul)."""
+ATTENTION_TARGET = "jaxdist_cache_attention_v1"
+"""Attention of a decode step over the slot KV cache, reading only the positions in use."""
 
-OWN_TARGETS: frozenset[str] = frozenset({TARGET, DEQUANTIZE_TARGET})
+OWN_TARGETS: frozenset[str] = frozenset({TARGET, DEQUANTIZE_TARGET, ATTENTION_TARGET})
 """Every custom call target of jaxdist's own kernels, in every ABI version it knows."""
 
 KERNEL_TYPES: tuple[str, ...] = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
@@ -103,6 +107,8 @@ def _register(threads: int) -> KernelInfo:
                                 platform="cpu")
     jax.ffi.register_ffi_target(DEQUANTIZE_TARGET,
                                 jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV1), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxdistCacheAttentionV1),
+                                platform="cpu")
     _lib = lib
     return KernelInfo(True, f"{ABI_VERSION}+ggml-{ggml.version}", types,
                       tuple(sorted(OWN_TARGETS)), threads)
@@ -162,7 +168,8 @@ def require(targets: Collection[str], platform: str, *, where: str, worker: str 
     if missing:
         on = f"worker {worker}" if worker else "this process"
         raise ArtifactError(
-            f"{where} calls the CPU kernel {', '.join(missing)}, which {on} does not have "
+            f"{where} calls the CPU kernel{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}, which {on} does not have "
             f"({info.reason or 'another kernel ABI'}). Start the worker with the kernels "
             f"(jaxdist-worker without --no-kernels, on a machine with a C++ compiler and the "
             f"libggml-python wheel), or deploy onto it with quantized weights dequantized "

@@ -1,9 +1,9 @@
 """Build the CPU kernel library once per machine, and cache it.
 
-The handler source (``ggml_matmul.cc``) ships with jaxdist. It is compiled on first use with
-the machine's C++ compiler against two sets of headers that the normal install brings: XLA's FFI
+The handler sources (``ggml_matmul.cc``, ``attention.cc``) ship with jaxdist. They are compiled
+into one library on first use with the machine's C++ compiler against two sets of headers that the normal install brings: XLA's FFI
 API (``jax.ffi.include_dir()``) and ggml's (the ``libggml-python`` wheel). The shared object goes
-to the kernel cache, keyed by a digest of everything that affects it (source, jaxlib and
+to the kernel cache, keyed by a digest of everything that affects it (sources, jaxlib and
 libggml versions, compiler, machine), so an upgrade of any of them builds afresh and concurrent
 workers build it once (a file lock).
 
@@ -32,7 +32,7 @@ __all__ = ["GgmlLibrary", "KernelBuildError", "build", "cache_dir", "find_ggml"]
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("ggml_matmul.cc")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("ggml_matmul.cc", "attention.cc"))
 BUILD_TIMEOUT_S = 300.0
 
 
@@ -100,7 +100,7 @@ def _key(cxx: str, ggml: GgmlLibrary, jax_include: str) -> str:
                             check=False).stdout.splitlines()[:1]
     except OSError as exc:
         raise KernelBuildError(f"the C++ compiler {cxx!r} does not run: {exc}") from exc
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     for part in (jaxlib.__version__, jax_include, ggml.version, str(ggml.lib), *cc,
                  platform.machine()):
         h.update(b"\0" + part.encode())
@@ -135,7 +135,7 @@ def build(*, force: bool = False) -> Path:
             return target
         tmp = target.with_suffix(f".tmp{os.getpid()}")
         cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-               f"-I{jax_include}", f"-I{ggml.include}", str(SOURCE), f"-L{ggml.lib}",
+               f"-I{jax_include}", f"-I{ggml.include}", *map(str, SOURCES), f"-L{ggml.lib}",
                "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{ggml.lib}", "-o", str(tmp)]
         log.warning("building the jaxdist CPU kernels (once per machine, about 20 s): %s",
                     target)

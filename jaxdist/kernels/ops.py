@@ -12,11 +12,21 @@ XLA:GPU/TPU fuse the dequantization into their dot. On the CPU, products of many
 prefill) are faster as dequantize-then-dot; :data:`KERNEL_MAX_ROWS` is that crossover, as
 measured in bench/NOTES.md ("CPU kernels"), and the choice is a ``lax.cond`` on the static
 row count that each compiled shape bucket folds away.
+
+:func:`cache_attention` does the same for a decode step's attention over the slot KV cache: the
+CPU branch calls :data:`jaxdist.kernels.ATTENTION_TARGET`, which reads only the cache positions
+in use, and the default branch is the exporter's own jnp form. It runs only while a stage is
+exported for the kernels (:func:`exporting_for_kernels`, which the coordinator enters for a
+stage with packed weights), so a stage without quantized weights carries no custom call and
+runs on any worker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -26,15 +36,36 @@ from jax import lax
 from gguf import GGMLQuantizationType
 
 from jaxdist.errors import SpecError
-from jaxdist.kernels import DEQUANTIZE_TARGET, KERNEL_TYPES, TARGET
+from jaxdist.kernels import ATTENTION_TARGET, DEQUANTIZE_TARGET, KERNEL_TYPES, TARGET
 from jaxdist.quant import block_layout, dequantize_rows
 
-__all__ = ["KERNEL_MAX_ROWS", "QTensor", "linear", "quant_matmul", "take_rows"]
+__all__ = ["ATTENTION_MAX_QUERIES", "KERNEL_MAX_ROWS", "QTensor", "cache_attention",
+           "exporting_for_kernels", "linear", "quant_matmul", "take_rows"]
 
 Array = Any
 
 KERNEL_MAX_ROWS = 64
 """On the CPU, products with more rows than this dequantize (ggml) and then run XLA's dot."""
+
+ATTENTION_MAX_QUERIES = 8
+"""On the CPU, steps of more tokens per row than this (prefill) attend with XLA's dots."""
+
+_for_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_for_kernels",
+                                                                    default=False)
+
+
+@contextlib.contextmanager
+def exporting_for_kernels(enabled: bool = True) -> Iterator[None]:
+    """While tracing inside this, :func:`cache_attention` lowers to the CPU kernel.
+
+    The choice is made when a function is traced: a ``jax.jit`` function traced before (and
+    cached by jax) keeps the lowering it was traced with.
+    """
+    token = _for_kernels.set(enabled)
+    try:
+        yield
+    finally:
+        _for_kernels.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,3 +175,32 @@ def take_rows(table: Array | QTensor, idx: Array, dtype: Any = jnp.float32) -> A
     if table.transposed:
         raise SpecError("take_rows: a transposed QTensor has no stored rows to gather")
     return dequantize_rows(table.blocks[idx], table.qtype, xp=jnp).astype(dtype)
+
+
+def cache_attention(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: Array,
+                    length: Array, *, scale: float,
+                    portable: Callable[[Array, Array, Array, Array, Array, Array], Array]
+                    ) -> Array:
+    """Attention of a step's queries over the slot caches (this step's entries written).
+
+    Shapes and semantics are those of ``exporters.layers.cache_attention``; ``portable`` is its
+    jnp form ``(q, k_cache, v_cache, slot, pos, length) -> out``. Outside
+    :func:`exporting_for_kernels`, or for caches that are not float32, this is ``portable``.
+    Otherwise it lowers to ``platform_dependent(cpu=<kernel for steps of at most
+    ATTENTION_MAX_QUERIES tokens, else portable>, default=portable)``. The kernel reads only
+    the positions each query sees, and gives zeros for a row of length 0 (garbage in the
+    portable form; callers ignore such rows).
+    """
+    args = (q, k_cache, v_cache, slot, pos, length)
+    if not _for_kernels.get() or any(a.dtype != jnp.float32 for a in args[:3]):
+        return portable(*args)
+
+    def kernel(*a: Array) -> Array:
+        call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        return call(*a, scale=np.float32(scale))
+
+    def cpu(*a: Array) -> Array:
+        long = jnp.asarray(a[0].shape[1]) > ATTENTION_MAX_QUERIES  # constant per bucket
+        return lax.cond(long, portable, kernel, *a)
+
+    return lax.platform_dependent(*args, cpu=cpu, default=portable)
