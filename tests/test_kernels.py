@@ -117,6 +117,33 @@ def test_many_rows_take_the_dequantize_branch(matmul, qtype: str) -> None:
     assert kernels.DEQUANTIZE_TARGET in text and kernels.TARGET not in text
 
 
+def test_many_rows_dequantize_one_matrix_at_a_time() -> None:
+    """A chain of long products holds one dequantized float32 matrix at a time, not every
+    layer's at once (XLA would schedule them all first if nothing tied them to their input)."""
+    rng = np.random.default_rng(5)
+    ws = [ggml_blocks.quantize(rng.standard_normal((512, 256)).astype(np.float32), "Q4_1")
+          for _ in range(10)]
+
+    def chain(x, *ws):
+        for w in ws:
+            x = jnp.tanh(ops.quant_matmul(x, w, "Q4_1")[:, :256])
+        return x
+
+    x = np.zeros((ops.KERNEL_MAX_ROWS + 8, 256), np.float32)
+    temp = jax.jit(chain).lower(x, *ws).compile().memory_analysis().temp_size_in_bytes
+    one = 512 * 256 * 4
+    assert temp < 2 * one + 4 * x.nbytes, f"{temp} bytes of temporaries for 10 x {one}"
+
+
+def test_dequantize_v1_still_served() -> None:
+    """Artifacts exported before the ordering operand call jaxdist_ggml_dequantize_v1."""
+    blocks, wd = _random_blocks(np.random.default_rng(6), (8, 64), "Q8_0")
+    call = jax.ffi.ffi_call(kernels.DEQUANTIZE_V1_TARGET, jax.ShapeDtypeStruct(wd.shape,
+                                                                              jnp.float32))
+    got = jax.jit(lambda b: call(b, ggml_type=np.int32(8)))(blocks)
+    np.testing.assert_array_equal(np.asarray(got), wd)
+
+
 @pytest.mark.parametrize("qtype", kernels.KERNEL_TYPES)
 def test_portable_branch_numerics_on_cpu(qtype: str) -> None:
     """The branch GPU/TPU workers compile (in-graph dequantize + dot), run here on the CPU:

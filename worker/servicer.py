@@ -30,7 +30,7 @@ from jaxdist.worker.runtime import HEARTBEAT, Hub, PeerPool, StageRuntime, remot
 from jaxdist.worker.sessions import SessionStore
 
 import jaxdist
-from jaxdist import artifacts, codec, devices, kernels
+from jaxdist import artifacts, codec, devices, heap, kernels
 from jaxdist.errors import ArtifactError, JaxdistError, LimitError, SessionError
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
@@ -302,6 +302,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             ids = [rt.stage_id for rt in self._stages.values()
                    if rt.pipeline_id == request.pipeline_id]
         freed, nbytes = self.sessions.end(request.session_id, ids)
+        if freed and not self.sessions.nbytes:
+            # No session left: what the steps allocated and freed (XLA's per-step temporaries,
+            # frame buffers, in per-thread heaps nothing else trims) goes back to the OS, about
+            # 85 MB on a SmolLM2 worker (bench/NOTES.md, "Worker memory").
+            heap.release_free_heap()
         return pb.EndSessionReply(freed_stages=freed, freed_bytes=nbytes)
 
     # -- data plane -------------------------------------------------------------------------

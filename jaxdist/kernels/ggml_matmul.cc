@@ -8,8 +8,9 @@
 //   own CPU kernels, reached through the public `ggml_get_type_traits_cpu` of the
 //   libggml-python wheel: x is quantized once per call to the type's `vec_dot_type` (Q8_0,
 //   Q8_1 or Q8_K, as llama.cpp does), then every (row of x, row of W) pair is one `vec_dot`.
-// - `jaxdist_ggml_dequantize_v1`: W to float32 with ggml's `to_float`, for products of many
-//   rows (prefill), which XLA's f32 dot then computes faster than row-pair dot products.
+// - `jaxdist_ggml_dequantize_v2`: W to float32 with ggml's `to_float`, for products of many
+//   rows (prefill), which XLA's f32 dot then computes faster than row-pair dot products. It
+//   takes x too, for ordering only; `_v1` (no x) stays for artifacts exported before.
 //
 // Rows of W are split into chunks that the calling thread and up to `threads - 1` helper
 // threads claim from an atomic counter (class Helpers).
@@ -323,6 +324,20 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> w,
   return ffi::Error::Success();
 }
 
+// v2: the same, with the activations x (M, K) as a first operand that is only checked, never
+// read. It makes each dequantization wait for its layer's input, so XLA cannot schedule every
+// layer's at the start of a stage and hold them all in float32 at once.
+ffi::Error DequantizeAfter(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t type) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[1] != yd[1]) {
+    return Fail("jaxdist_ggml_dequantize_v2",
+                "expected x (M, K) and y (N, K) with the same K");
+  }
+  return Dequantize(w, y, type);
+}
+
 }  // namespace
 
 #pragma GCC visibility push(default)
@@ -334,6 +349,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV1, Matmul,
                                   .Attr<int32_t>("ggml_type"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlDequantizeV1, Dequantize,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("ggml_type"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlDequantizeV2, DequantizeAfter,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("ggml_type"));

@@ -124,8 +124,12 @@ def _dequantize_dot(x2: Array, blocks: Array, qtype: str) -> Array:
 def _kernel_dequantize_dot(x2: Array, blocks: Array, qtype: str) -> Array:
     """The CPU's many-rows branch: ggml dequantizes (SIMD), XLA's f32 dot multiplies."""
     n, k = blocks.shape[0], x2.shape[1]
+    # Dequantizing depends only on the weights, so XLA would schedule every layer's at the
+    # start of the stage and hold them all in float32 at once (213 MB for a SmolLM2 prefill of
+    # 128 tokens; an optimization_barrier does not survive XLA:CPU). x as an operand makes each
+    # wait for its own input, so the float32 matrices' buffers are reused: one at a time.
     call = jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((n, k), jnp.float32))
-    return _dot_t(x2, call(blocks, ggml_type=np.int32(GGMLQuantizationType[qtype].value)))
+    return _dot_t(x2, call(x2, blocks, ggml_type=np.int32(GGMLQuantizationType[qtype].value)))
 
 
 def quant_matmul(x: Array, blocks: Array, qtype: str) -> Array:
