@@ -388,7 +388,7 @@ def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]]
     out = []
     for cfg in configs:
         tps, ttft = _median(cfg.tps), _median(cfg.ttft)
-        stages = 1 if cfg.name == "single" else len(cfg.pipe.specs)
+        stages = len(getattr(cfg.pipe, "specs", None) or cfg.pipe.stages)
         paired = [a / b for a, b in zip(cfg.tps, single.tps)]
         detail = {"config": cfg.name, "stages": stages, "runs": len(cfg.tps),
                   "tokens_per_s_runs": [round(x, 2) for x in cfg.tps],

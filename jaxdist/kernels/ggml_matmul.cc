@@ -50,7 +50,11 @@ constexpr int kTypes[] = {GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q4_0, GGML_T
                           GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
 constexpr int64_t kRowsPerChunk = 16;  // rows of W per claimed unit of work
 constexpr int64_t kActBlock = 64;      // rows of x kept hot per pass over a chunk
-constexpr int64_t kMinSplitWork = int64_t{1} << 24;  // multiply-adds below which one thread runs
+// Multiply-adds below which one thread runs: a one-row product (decode) reads its weights at
+// memory speed on one core, so a second thread costs more than it brings except on the LM head;
+// a product of several rows (batch, prefill) is compute-bound and splits from a smaller size.
+constexpr int64_t kMinSplitWork = int64_t{1} << 24;
+constexpr int64_t kMinSplitWorkRows = int64_t{1} << 19;
 
 std::atomic<int> g_threads{0};  // 0: one per hardware thread (the caller included)
 
@@ -201,9 +205,9 @@ Helpers& TheHelpers() {
 void Run(const std::shared_ptr<Job>& job, int64_t macs) {
   int64_t threads = g_threads.load(std::memory_order_relaxed);
   if (threads <= 0) threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  // Splitting has a cost too (the chunks' results meet in one cache): small products run on
-  // the caller alone (bench/NOTES.md, "CPU kernels").
-  if (macs < kMinSplitWork) threads = 1;
+  // Splitting has a cost too (handing chunks over, results meeting in one cache): small
+  // products run on the caller alone (bench/NOTES.md, "CPU kernels").
+  if (macs < (job->m > 1 ? kMinSplitWorkRows : kMinSplitWork)) threads = 1;
   if (threads > job->chunks) threads = job->chunks;
   TheHelpers().Run(job, threads);
 }
