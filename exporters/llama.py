@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxdist.exporters import layers
 from jaxdist.exporters.source import WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
@@ -249,7 +250,9 @@ def _block(cfg: LlamaConfig, inv_freq: np.ndarray, params: dict[str, Any],
     x, slot, pos, length = carry["x"], carry["slot"], carry["pos"], carry["length"]
     b, s = x.shape[0], x.shape[1]
     h = layers.rms_norm(x, params["attn_norm"], cfg.rms_eps)
-    q, k, v = (ops.linear(h, params[n]) for n in ("wq", "wk", "wv"))
+    # The tokens that are not padding: the CPU kernels skip the others' rows.
+    live = (lax.broadcasted_iota(jnp.int32, (b, s), 1) < length[:, None]).astype(jnp.int32)
+    q, k, v = (ops.linear(h, params[n], live) for n in ("wq", "wk", "wv"))
     if cfg.qkv_bias:
         q, k, v = q + params["bq"], k + params["bk"], v + params["bv"]
     q = q.reshape(b, s, cfg.n_heads, cfg.head_dim)
@@ -264,10 +267,11 @@ def _block(cfg: LlamaConfig, inv_freq: np.ndarray, params: dict[str, Any],
     att, k_cache, v_cache = layers.cache_attention(q, k, v, state["k"], state["v"], slot, pos,
                                                    length)
     att = att.reshape(b, s, cfg.n_heads * cfg.head_dim)
-    x = x + ops.linear(att, params["wo"]).astype(x.dtype)
+    x = x + ops.linear(att, params["wo"], live).astype(x.dtype)
     h = layers.rms_norm(x, params["ffn_norm"], cfg.rms_eps)
-    gated = jax.nn.silu(ops.linear(h, params["w_gate"])) * ops.linear(h, params["w_up"])
-    x = x + ops.linear(gated, params["w_down"]).astype(x.dtype)
+    gated = (jax.nn.silu(ops.linear(h, params["w_gate"], live))
+             * ops.linear(h, params["w_up"], live))
+    x = x + ops.linear(gated, params["w_down"], live).astype(x.dtype)
     return dict(carry, x=x), {"k": k_cache, "v": v_cache}
 
 
@@ -275,7 +279,7 @@ def _head(cfg: LlamaConfig, return_logits: bool, params: dict[str, Any], state: 
           carry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     h = layers.rms_norm(layers.last_valid(carry["x"], carry["length"]), params["norm"],
                         cfg.rms_eps)
-    logits = ops.linear(h, params["output"]).astype(jnp.float32)
+    logits = ops.linear(h, params["output"], carry["length"] > 0).astype(jnp.float32)
     token = layers.sample_tokens(logits, carry["temperature"], carry["top_k"], carry["top_p"],
                                  carry["seed"], carry["pos"] + carry["length"])
     out = {"token": token}

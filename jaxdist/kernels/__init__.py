@@ -35,14 +35,17 @@ from jaxdist.errors import ArtifactError
 from jaxdist.kernels.build import KernelBuildError, build, find_ggml
 
 __all__ = ["ABI_VERSION", "ATTENTION_TARGET", "DEQUANTIZE_TARGET", "DEQUANTIZE_V1_TARGET",
-           "KERNEL_TYPES", "OWN_TARGETS", "TARGET", "KernelBuildError", "KernelInfo", "load",
+           "KERNEL_TYPES", "MATMUL_V1_TARGET", "OWN_TARGETS", "TARGET", "KernelBuildError", "KernelInfo", "load",
            "loaded", "require"]
 
 log = logging.getLogger(__name__)
 
 ABI_VERSION = 1
-TARGET = "jaxdist_ggml_matmul_v1"
-"""The custom call target of the quantized matmul; a new ABI gets a new name, never a change."""
+TARGET = "jaxdist_ggml_matmul_v2"
+"""The custom call target of the quantized matmul (with a mask of the rows to compute); a new
+ABI gets a new name, never a change."""
+MATMUL_V1_TARGET = "jaxdist_ggml_matmul_v1"
+"""The matmul without the row mask: still registered for artifacts exported with it."""
 DEQUANTIZE_TARGET = "jaxdist_ggml_dequantize_v2"
 """GGML blocks to float32 on the CPU (the many-rows path of the matmul), after the activations
 it is for are computed (they are an operand, for ordering only)."""
@@ -51,8 +54,8 @@ DEQUANTIZE_V1_TARGET = "jaxdist_ggml_dequantize_v1"
 ATTENTION_TARGET = "jaxdist_cache_attention_v1"
 """Attention of a decode step over the slot KV cache, reading only the positions in use."""
 
-OWN_TARGETS: frozenset[str] = frozenset({TARGET, DEQUANTIZE_TARGET, DEQUANTIZE_V1_TARGET,
-                                         ATTENTION_TARGET})
+OWN_TARGETS: frozenset[str] = frozenset({TARGET, MATMUL_V1_TARGET, DEQUANTIZE_TARGET,
+                                         DEQUANTIZE_V1_TARGET, ATTENTION_TARGET})
 """Every custom call target of jaxdist's own kernels, in every ABI version it knows."""
 
 KERNEL_TYPES: tuple[str, ...] = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
@@ -108,7 +111,9 @@ def _register(threads: int) -> KernelInfo:
     types = tuple(t.upper() for t in lib.jaxdist_kernels_types().decode().split(","))
     if types != KERNEL_TYPES:
         raise KernelBuildError(f"{path} has kernels for {types}, expected {KERNEL_TYPES}")
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV1),
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV2),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_V1_TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV1),
                                 platform="cpu")
     jax.ffi.register_ffi_target(DEQUANTIZE_TARGET,
                                 jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV2), platform="cpu")

@@ -4,10 +4,12 @@
 // (jaxdist/kernels/ops.py). W is bound exactly as the GGUF file stores it: N rows of
 // K/block_elems blocks.
 //
-// - `jaxdist_ggml_matmul_v1`: the product for few rows (decode). The dot products are ggml's
+// - `jaxdist_ggml_matmul_v2`: the product for few rows (decode). The dot products are ggml's
 //   own CPU kernels, reached through the public `ggml_get_type_traits_cpu` of the
 //   libggml-python wheel: x is quantized once per call to the type's `vec_dot_type` (Q8_0,
 //   Q8_1 or Q8_K, as llama.cpp does), then every (row of x, row of W) pair is one `vec_dot`.
+//   A third operand, rows (M,) int32, skips the rows of x that are padding (zeros out);
+//   `_v1` (no rows) stays for artifacts exported before.
 // - `jaxdist_ggml_dequantize_v2`: W to float32 with ggml's `to_float`, for products of many
 //   rows (prefill), which XLA's f32 dot then computes faster than row-pair dot products. It
 //   takes x too, for ordering only; `_v1` (no x) stays for artifacts exported before.
@@ -72,11 +74,13 @@ struct Job {
   int64_t max_helpers = 0;
   int64_t chunks = 0;
   int64_t m = 0, n = 0, k = 0;
+  int64_t live = 0;  // rows of x computed (the split rule counts these)
   const uint8_t* w = nullptr;
   size_t w_row = 0;
   const uint8_t* xq = nullptr;
   size_t xq_row = 0;
   float* y = nullptr;
+  const int32_t* rows = nullptr;      // matmul v2: rows of x to compute (nonzero); null: all
   ggml_vec_dot_t dot = nullptr;       // matmul: one (row of x, row of W) product
   ggml_to_float_t to_float = nullptr;  // dequantize: one row of W
 
@@ -96,6 +100,7 @@ struct Job {
         for (int64_t r = n0; r < n1; ++r) {
           const uint8_t* wr = w + r * w_row;
           for (int64_t i = m0; i < m1; ++i) {
+            if (rows != nullptr && rows[i] == 0) continue;
             dot(static_cast<int>(k), y + i * n + r, 0, wr, 0, xq + i * xq_row, 0, 1);
           }
         }
@@ -207,7 +212,7 @@ void Run(const std::shared_ptr<Job>& job, int64_t macs) {
   if (threads <= 0) threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
   // Splitting has a cost too (handing chunks over, results meeting in one cache): small
   // products run on the caller alone (bench/NOTES.md, "CPU kernels").
-  if (macs < (job->m > 1 ? kMinSplitWorkRows : kMinSplitWork)) threads = 1;
+  if (macs < (job->live > 1 ? kMinSplitWorkRows : kMinSplitWork)) threads = 1;
   if (threads > job->chunks) threads = job->chunks;
   TheHelpers().Run(job, threads);
 }
@@ -232,9 +237,10 @@ ffi::Error CheckWeights(const char* target, int32_t type, int64_t k, int64_t n_r
   return ffi::Error::Success();
 }
 
-ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                  ffi::ResultBuffer<ffi::F32> y, int32_t type) {
-  constexpr const char* kTarget = "jaxdist_ggml_matmul_v1";
+// `rows` (M,) or null: a zero entry skips that row of x, whose row of y is zeros (a padded
+// token of a prefill chunk, an idle slot of a batch).
+ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      const int32_t* rows, ffi::ResultBuffer<ffi::F32> y, int32_t type) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
@@ -278,9 +284,22 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
     xq_row = static_cast<size_t>(k / vtt->blck_size) * vtt->type_size;
     xq_buf.resize(xq_row * static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) {
+      if (rows != nullptr && rows[i] == 0) continue;
       vct->from_float(x.typed_data() + i * k, xq_buf.data() + i * xq_row, k);
     }
     xq = xq_buf.data();
+  }
+  int64_t live = m;
+  if (rows != nullptr) {
+    live = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      if (rows[i] != 0) {
+        ++live;
+      } else {
+        std::fill(y->typed_data() + i * n, y->typed_data() + (i + 1) * n, 0.0f);
+      }
+    }
+    if (live == 0) return ffi::Error::Success();
   }
 
   auto job = std::make_shared<Job>();
@@ -294,8 +313,25 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   job->xq_row = xq_row;
   job->y = y->typed_data();
   job->dot = ct->vec_dot;
-  Run(job, m * n * k);
+  job->rows = rows;
+  job->live = live;
+  Run(job, live * n * k);
   return ffi::Error::Success();
+}
+
+ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                  ffi::ResultBuffer<ffi::F32> y, int32_t type) {
+  return MatmulRows("jaxdist_ggml_matmul_v1", x, w, nullptr, y, type);
+}
+
+ffi::Error MatmulMasked(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                        ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t type) {
+  constexpr const char* kTarget = "jaxdist_ggml_matmul_v2";
+  if (x.dimensions().size() != 2 ||
+      rows.element_count() != static_cast<size_t>(x.dimensions()[0])) {
+    return Fail(kTarget, "rows must hold one entry per row of x");
+  }
+  return MatmulRows(kTarget, x, w, rows.typed_data(), y, type);
 }
 
 // y[N, K] = W in float32: for products of many rows, XLA's f32 dot after this beats
@@ -349,6 +385,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV1, Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("ggml_type"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV2, MatmulMasked,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("ggml_type"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlDequantizeV1, Dequantize,

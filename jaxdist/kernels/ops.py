@@ -105,10 +105,13 @@ class QTensor:
         return w.T if self.transposed else w
 
 
-def _kernel(x2: Array, blocks: Array, qtype: str) -> Array:
+def _kernel(x2: Array, blocks: Array, qtype: str, rows: Array | None = None) -> Array:
+    """The kernel; ``rows`` (M,) int32, zero for a row of x to skip (its result is zeros)."""
     n = blocks.shape[0]
+    if rows is None:
+        rows = jnp.ones((x2.shape[0],), jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, blocks, ggml_type=np.int32(GGMLQuantizationType[qtype].value))
+    return call(x2, blocks, rows, ggml_type=np.int32(GGMLQuantizationType[qtype].value))
 
 
 def _dot_t(x2: Array, w: Array) -> Array:
@@ -132,11 +135,14 @@ def _kernel_dequantize_dot(x2: Array, blocks: Array, qtype: str) -> Array:
     return _dot_t(x2, call(x2, blocks, ggml_type=np.int32(GGMLQuantizationType[qtype].value)))
 
 
-def quant_matmul(x: Array, blocks: Array, qtype: str) -> Array:
+def quant_matmul(x: Array, blocks: Array, qtype: str, rows: Array | None = None) -> Array:
     """``x @ W.T`` for ``W`` stored as GGML blocks ``(N, row_bytes)``: ``(..., K) -> (..., N)``.
 
     float32 in and out. The CPU lowering calls the kernel; every other platform dequantizes
-    in the graph.
+    in the graph. ``rows`` (``x.shape[:-1]``, bool or int) may mark the rows of ``x`` that
+    matter: the kernel skips the others (padding of a prefill chunk, idle batch slots), whose
+    results are then zeros on the CPU and computed as usual elsewhere, so a caller must
+    ignore them.
 
     Raises:
         SpecError: ``qtype`` has no kernel, or ``x``'s last dim is not the stored row length.
@@ -151,23 +157,29 @@ def quant_matmul(x: Array, blocks: Array, qtype: str) -> Array:
                         f"hold {k}")
     lead = x.shape[:-1]
     x2 = x.astype(jnp.float32).reshape((-1, k))
+    r = (jnp.ones((x2.shape[0],), jnp.int32) if rows is None
+         else jnp.asarray(rows).astype(jnp.int32).reshape((-1,)))
 
-    def cpu(x2: Array, blocks: Array) -> Array:
+    def cpu(x2: Array, blocks: Array, r: Array) -> Array:
         many = jnp.asarray(x2.shape[0]) > KERNEL_MAX_ROWS  # a constant once a bucket compiles
-        return lax.cond(many, lambda a, b: _kernel_dequantize_dot(a, b, qtype),
-                        lambda a, b: _kernel(a, b, qtype), x2, blocks)
+        return lax.cond(many, lambda a, b, _: _kernel_dequantize_dot(a, b, qtype),
+                        lambda a, b, m: _kernel(a, b, qtype, m), x2, blocks, r)
 
-    y = lax.platform_dependent(x2, blocks, cpu=cpu,
-                               default=lambda a, b: _dequantize_dot(a, b, qtype))
+    y = lax.platform_dependent(x2, blocks, r, cpu=cpu,
+                               default=lambda a, b, _: _dequantize_dot(a, b, qtype))
     return y.reshape((*lead, blocks.shape[0]))
 
 
-def linear(x: Array, w: Array | QTensor) -> Array:
-    """``x @ w`` for a plain array or a :class:`QTensor` (float32 result for a QTensor)."""
+def linear(x: Array, w: Array | QTensor, rows: Array | None = None) -> Array:
+    """``x @ w`` for a plain array or a :class:`QTensor` (float32 result for a QTensor).
+
+    ``rows`` (``x.shape[:-1]``): the rows that matter; the CPU kernel skips the others (see
+    :func:`quant_matmul`). Ignored for plain arrays.
+    """
     if not isinstance(w, QTensor):
         return x @ w
     if w.transposed:
-        return quant_matmul(x, w.blocks, w.qtype)
+        return quant_matmul(x, w.blocks, w.qtype, rows)
     # Stored (in, out): no kernel layout, so dequantize (rare: exporters bind (out, in)).
     return x.astype(jnp.float32) @ w.dequantize()
 
