@@ -423,6 +423,9 @@ def write(bench_dir: pathlib.Path, runs: Sequence[dict[str, Any]], summary: dict
         slow = " (over the 5-minute budget)" if r["wall_s"] > 300 else ""
         lines.append(f"| {r['name']} | `{r['command']}` | {r['status']} | "
                      f"{r['wall_s']:.0f} s{slow} | {_load_range(r.get('loadavg_1m', []))} |")
+    reruns = [r for r in runs if r.get("rerun")]
+    if reruns:
+        lines += [""] + [f"- {r['name']}: {r['rerun']}." for r in reruns]
     build = summary.get("llamacpp_build")
     if build:
         rpc = build.get("rpc_server") or {}
@@ -433,14 +436,14 @@ def write(bench_dir: pathlib.Path, runs: Sequence[dict[str, Any]], summary: dict
                      if rpc.get("built") else f"not built: {rpc.get('reason')}")
                   + " Details in [NOTES.md](NOTES.md)."]
     lines += ["", "## How to reproduce", "", "```",
-              "/work/venv/bin/pip install -e '.[bench]'           # matplotlib for the plots",
-              "/work/venv/bin/python bench/run_all.py              # all benchmarks, ~9 min",
-              "/work/venv/bin/python bench/run_all.py --quick      # smoke run, ~4 min",
-              ("/work/venv/bin/python bench/run_all.py --with-llamacpp   # + llama.cpp "
+              ".venv/bin/pip install -e '.[bench]'           # matplotlib for the plots",
+              ".venv/bin/python bench/run_all.py              # all benchmarks, ~9 min",
+              ".venv/bin/python bench/run_all.py --quick      # smoke run, ~4 min",
+              (".venv/bin/python bench/run_all.py --with-llamacpp   # + llama.cpp "
                "(first run builds it: +13 min)"),
-              "/work/venv/bin/python bench/run_all.py --with-soak  # + 4-minute soak",
-              "/work/venv/bin/python bench/run_all.py --report-only   # rewrite from bench/out/",
-              "/work/venv/bin/python bench/scaling.py --quick --out x.json   # one benchmark",
+              ".venv/bin/python bench/run_all.py --with-soak  # + 4-minute soak",
+              ".venv/bin/python bench/run_all.py --report-only   # rewrite from bench/out/",
+              ".venv/bin/python bench/scaling.py --quick --out x.json   # one benchmark",
               "```", "",
               ("Raw records of the last run: `bench/out/NAME.json` and `bench/out/run_all.json` "
                "(not committed). Each benchmark prints one JSON object per metric (`metric`, "
