@@ -516,7 +516,6 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
     import decode as jd  # bench/decode.py: the jaxdist configurations and their measurements
 
     from jaxdist.exporting import load_model
-    from jaxdist.generation import SamplingParams
 
     machine = c.machine()
     status = ensure_llamacpp(opts.venv)

@@ -304,7 +304,7 @@ def phases_child(directory: str) -> dict[str, Any]:
 def _stage_dirs(model: Any, root: str, stages: int, tmp: str) -> list[str]:
     """The stages of ``model`` planned and exported as ``Cluster.deploy`` does, one directory
     each (spec, artifact, weights root) for :func:`phases_child`."""
-    from jaxdist.coordinator import build_stage_specs, plan_stages
+    from jaxdist.stagebuild import build_stage_specs, plan_stages
 
     dirs = []
     for b in build_stage_specs(model, plan_stages(model, stages=stages), platforms=("cpu",)):

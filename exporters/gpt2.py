@@ -35,9 +35,9 @@ from jaxdist.exporters import layers
 from jaxdist.exporters.source import Source, WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
 
+from jaxdist.buckets import step_buckets
 from jaxdist.errors import SpecError
 from jaxdist.exporting import LoadedModel
-from jaxdist.generation import step_buckets
 from jaxdist.model import Model, Param, Unit
 from jaxdist.weights import WeightInfo
 from jaxdist.weights.gguf import metadata as gguf_metadata

@@ -48,10 +48,10 @@ from jaxdist.exporters import layers
 from jaxdist.exporters.source import WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
 
+from jaxdist.buckets import step_buckets
 from jaxdist.errors import SpecError
 from jaxdist.exporting import LoadedModel
 from jaxdist.kernels import ops
-from jaxdist.generation import step_buckets
 from jaxdist.model import Model, Unit
 from jaxdist.weights import WeightInfo
 

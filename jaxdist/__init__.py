@@ -1,53 +1,67 @@
 """jaxdist: build the worker once, run any model.
 
 The public API. Everything here is stable within a minor version; anything else is internal.
+
+Names resolve lazily (PEP 562): ``import jaxdist`` loads nothing of either side, so a worker
+process that imports ``jaxdist.worker`` never loads the coordinator, and an offline export never
+loads gRPC through this namespace. ``from jaxdist import Cluster`` imports the coordinator then.
 """
 
-from jaxdist.errors import (
-    ArtifactError,
-    AuthError,
-    CodecError,
-    DeviceError,
-    JaxdistError,
-    LimitError,
-    RemoteStageError,
-    SessionError,
-    SpecError,
-    TransportError,
-    WeightError,
-)
-from jaxdist.weights import (
-    WeightCache,
-    WeightInfo,
-    describe_weights,
-    resolve_weight,
-    resolve_weight_bytes,
-)
-from jaxdist.devices import DeviceDirective, parse_directive, resolve_device
-from jaxdist.spec import SPEC_VERSION, StageSpec, StateSig, TensorSig, WeightRef
-from jaxdist.artifacts import Artifact, export_stage, load_artifact
-from jaxdist.registry import LocalRegistry
-from jaxdist.stage import WorkerStage
-from jaxdist.model import Model, Param, Unit
-from jaxdist.pipeline import Pipeline, Session
-from jaxdist.coordinator import Cluster
-from jaxdist.inprocess import InProcessPipeline
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    # errors
-    "JaxdistError", "SpecError", "CodecError", "WeightError", "DeviceError", "ArtifactError",
-    "TransportError", "SessionError", "LimitError", "AuthError", "RemoteStageError",
-    # weights
-    "WeightCache", "WeightInfo", "resolve_weight", "resolve_weight_bytes", "describe_weights",
-    # devices
-    "DeviceDirective", "parse_directive", "resolve_device",
-    # specs and artifacts
-    "SPEC_VERSION", "StageSpec", "TensorSig", "StateSig", "WeightRef",
-    "Artifact", "export_stage", "load_artifact", "LocalRegistry",
-    # running
-    "WorkerStage", "Model", "Unit", "Param", "Cluster", "Pipeline", "Session",
-    "InProcessPipeline",
-]
+# name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(["JaxdistError", "SpecError", "CodecError", "WeightError", "DeviceError",
+                     "ArtifactError", "TransportError", "SessionError", "LimitError",
+                     "AuthError", "RemoteStageError"], "jaxdist.errors"),
+    **dict.fromkeys(["WeightCache", "WeightInfo", "resolve_weight", "resolve_weight_bytes",
+                     "describe_weights"], "jaxdist.weights"),
+    **dict.fromkeys(["DeviceDirective", "parse_directive", "resolve_device"], "jaxdist.devices"),
+    **dict.fromkeys(["SPEC_VERSION", "StageSpec", "TensorSig", "StateSig", "WeightRef"],
+                    "jaxdist.spec"),
+    **dict.fromkeys(["Artifact", "export_stage", "load_artifact"], "jaxdist.artifacts"),
+    "LocalRegistry": "jaxdist.registry",
+    "WorkerStage": "jaxdist.stage",
+    **dict.fromkeys(["Model", "Param", "Unit"], "jaxdist.model"),
+    **dict.fromkeys(["Pipeline", "Session"], "jaxdist.pipeline"),
+    "Cluster": "jaxdist.coordinator",
+    "InProcessPipeline": "jaxdist.inprocess",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see (the names are in __all__)
+    # ruff: noqa: F401
+    from jaxdist.artifacts import Artifact, export_stage, load_artifact
+    from jaxdist.coordinator import Cluster
+    from jaxdist.devices import DeviceDirective, parse_directive, resolve_device
+    from jaxdist.errors import (ArtifactError, AuthError, CodecError, DeviceError,
+                                JaxdistError, LimitError, RemoteStageError, SessionError,
+                                SpecError, TransportError, WeightError)
+    from jaxdist.inprocess import InProcessPipeline
+    from jaxdist.model import Model, Param, Unit
+    from jaxdist.pipeline import Pipeline, Session
+    from jaxdist.registry import LocalRegistry
+    from jaxdist.spec import SPEC_VERSION, StageSpec, StateSig, TensorSig, WeightRef
+    from jaxdist.stage import WorkerStage
+    from jaxdist.weights import (WeightCache, WeightInfo, describe_weights, resolve_weight,
+                                 resolve_weight_bytes)

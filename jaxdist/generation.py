@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxdist.buckets import decode_rows, step_buckets
 from jaxdist.errors import JaxdistError, SpecError
 
 __all__ = ["GenerationResult", "Generator", "SamplingParams", "StepPipeline", "step_buckets"]
@@ -122,25 +123,6 @@ class _Seq:
     done: str = ""
 
 
-def _pow2_at_least(n: int, cap: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, cap)
-
-
-def step_buckets(max_slots: int, prefill_buckets: Sequence[int]) -> list[dict[str, int]]:
-    """Every step shape the :class:`Generator` sends, for exporters to compile ahead of time.
-
-    Prefill runs one sequence per step (``b = 1``) at a bucket length; decode runs all active
-    rows padded up to a power of two, capped at ``max_slots``. So no request ever waits for a
-    compile.
-    """
-    rows = sorted({_pow2_at_least(n, max_slots) for n in range(1, max_slots + 1)})
-    return [{"b": b, "s": 1} for b in rows] + [{"b": 1, "s": int(n)} for n in prefill_buckets
-                                               if int(n) > 1]
-
-
 class Generator:
     """Drives prefill and decode steps of a causal LM pipeline.
 
@@ -191,7 +173,7 @@ class Generator:
 
     def _inputs(self, rows: list[tuple[_Seq, list[int]]], s: int) -> dict[str, np.ndarray]:
         """The input arrays of one step."""
-        b = _pow2_at_least(len(rows), self.max_slots)
+        b = decode_rows(len(rows), self.max_slots)
         tokens = np.zeros((b, s), np.int64)
         slot = np.full((b,), self.max_slots, np.int64)  # padding rows: writes are dropped
         pos = np.zeros((b,), np.int64)
@@ -273,7 +255,7 @@ class Generator:
         prefilling = [q for q in ready if q.pending]
         if prefilling:
             # One sequence per prefill step, at the smallest bucket holding its next chunk:
-            # every such shape is compiled ahead of time (see step_buckets).
+            # every such shape is compiled ahead of time (see jaxdist.buckets).
             q = prefilling[0]
             chunk = min(len(q.pending), self.buckets[-1])
             s = next(b for b in self.buckets if b >= chunk)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist import kernels
-from jaxdist.coordinator import build_stage_specs
+from jaxdist.stagebuild import build_stage_specs
 from jaxdist.errors import SessionError
 from jaxdist.model import Model
 from jaxdist.partition import balanced_split, explicit_split

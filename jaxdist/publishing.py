@@ -26,7 +26,7 @@ import jax
 import jaxlib
 
 import jaxdist
-from jaxdist.coordinator import Progress, build_stage_specs, plan_stages
+from jaxdist.stagebuild import Progress, build_stage_specs, log_progress, plan_stages
 from jaxdist.errors import ArtifactError, JaxdistError
 from jaxdist.exporting import LoadedModel
 from jaxdist.manifest import Manifest, ModelInfo, manifest_stage
@@ -37,10 +37,6 @@ from jaxdist.spec import SPEC_VERSION
 __all__ = ["Published", "publish", "unreferenced"]
 
 log = logging.getLogger(__name__)
-
-
-def _no_progress(what: str, done: int, total: int) -> None:
-    log.info("%s (%d/%d)", what, done, total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +99,7 @@ def publish(model: Model | LoadedModel, registry: Registry | str | os.PathLike[s
         ArtifactError: the registry is read-only or unreachable.
         SpecError: impossible split; errors of tracing propagate.
     """
-    progress = progress or _no_progress
+    progress = progress or log_progress
     loaded = model if isinstance(model, LoadedModel) else None
     bare = loaded.model if loaded is not None else model
     store = (open_registry(registry, create=True)

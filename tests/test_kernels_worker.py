@@ -168,7 +168,7 @@ def test_worker_without_kernels_gets_its_stage_dequantized(files: pathlib.Path, 
     assert set(memory[1]["dequantized_types"]) <= set(KQUANTS.values())
     assert memory[1]["dequantized_types"]
     # The reference: stage 1's units dequantized, in one process.
-    from jaxdist.coordinator import _unpacked
+    from jaxdist.stagebuild import _unpacked
 
     units = list(model.units)
     units[split[0]:] = [_unpacked(u) for u in units[split[0]:]]
@@ -217,7 +217,7 @@ def test_kernel_stages_call_the_attention_kernel_and_dequantized_ones_none(
         files: pathlib.Path) -> None:
     """A stage bound packed calls the matmul and the decode attention kernels (its CPU
     lowering); the same stage bound dequantized (a worker without kernels) calls none."""
-    from jaxdist.coordinator import build_stage_specs
+    from jaxdist.stagebuild import build_stage_specs
 
     model = _model("kq.gguf", files)
     ranges = [range(len(model.units))]

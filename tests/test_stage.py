@@ -21,9 +21,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as ref
 from safetensors.numpy import save_file
 
-from jaxdist import quant
 from jaxdist.artifacts import digest_of
-from jaxdist.coordinator import BuiltStage, build_stage_specs
+from jaxdist.stagebuild import BuiltStage, build_stage_specs
 from jaxdist.errors import ArtifactError, DeviceError, SpecError
 from jaxdist.inprocess import InProcessPipeline
 from jaxdist.model import Model, Param, Unit

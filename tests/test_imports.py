@@ -1,0 +1,71 @@
+"""Imports run one way: a worker loads nothing of the coordinator side, an offline export no
+gRPC, the exporters not the generation loop, and ``import jaxdist`` nothing eagerly.
+
+Each check runs in a fresh interpreter, since this test process has imported everything.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+# Modules of the coordinator side and of the registry's client side.
+COORDINATOR_SIDE = ("jaxdist.coordinator", "jaxdist.pipeline", "jaxdist.generation",
+                    "jaxdist.local", "jaxdist.inprocess", "jaxdist.manifest",
+                    "jaxdist.publishing", "jaxdist.urlregistry", "jaxdist.stagebuild",
+                    "jaxdist.exporting", "jaxdist.cli", "jaxdist.exporters")
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules loaded in a fresh interpreter after running ``code``."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=TESTS, timeout=300)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _loaded(modules: set[str], prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes))
+
+
+def test_import_jaxdist_is_lazy() -> None:
+    mods = _modules_after("import jaxdist")
+    assert _loaded(mods, ("jaxdist",)) == ["jaxdist"]
+    mods = _modules_after("import jaxdist\nassert jaxdist.Cluster.__name__ == 'Cluster'")
+    assert "jaxdist.coordinator" in mods
+
+
+def test_worker_loads_nothing_of_the_coordinator_side() -> None:
+    mods = _modules_after("import jaxdist.worker.__main__, jaxdist.worker.server")
+    assert _loaded(mods, COORDINATOR_SIDE) == []
+
+
+def test_exporters_do_not_import_the_generation_loop_or_grpc() -> None:
+    mods = _modules_after("import jaxdist.exporters.llama, jaxdist.exporters.gpt2, "
+                          "jaxdist.exporters.bert")
+    assert _loaded(mods, ("jaxdist.generation", "jaxdist.coordinator", "grpc")) == []
+
+
+def test_offline_export_into_a_registry_imports_no_grpc(tmp_path: pathlib.Path) -> None:
+    """publish() traces and stores a model with no worker anywhere: no gRPC is loaded."""
+    code = f"""
+import numpy as np
+from safetensors.numpy import save_file
+from models import mlp
+from jaxdist.publishing import publish
+root = {str(tmp_path)!r}
+rng = np.random.default_rng(0)
+save_file({{f"l{{i}}.w": rng.standard_normal((32, 32)).astype(np.float32) for i in range(4)}},
+          root + "/mlp.safetensors")
+pub = publish(mlp(), root + "/registry", stages=2, platforms=("cpu",),
+              model_path="mlp.safetensors")
+assert len(pub.manifest.stages) == 2
+"""
+    mods = _modules_after(code)
+    assert _loaded(mods, ("grpc", "jaxdist.coordinator", "jaxdist.pipeline",
+                          "jaxdist.transport", "jaxdist.local")) == []
+    assert (tmp_path / "registry").is_dir()
