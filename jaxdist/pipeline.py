@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Protocol, Self
 
 import grpc
 import numpy as np
@@ -34,12 +34,34 @@ from jaxdist.spec import StageSpec
 from jaxdist.transport.client import WorkerClient
 from jaxdist.transport.frames import FrameAssembler, FrameHeader, split_frame
 
-if TYPE_CHECKING:  # only for the annotation: jaxdist.coordinator imports this module
-    from jaxdist.coordinator import Cluster
-
-__all__ = ["Failover", "Pipeline", "Session"]
+__all__ = ["Failover", "Pipeline", "Placement", "Session"]
 
 log = logging.getLogger(__name__)
+
+
+class Placement(Protocol):
+    """What a pipeline needs of the cluster that placed it, to fail over to a spare worker.
+
+    :class:`jaxdist.coordinator.Cluster` implements it; the pipeline depends on this interface
+    only, so imports run one way (coordinator -> pipeline).
+    """
+
+    spare_clients: list[WorkerClient]
+
+    def answers(self, client: WorkerClient, timeout: float) -> bool:
+        """Whether a worker answers within ``timeout`` seconds."""
+        ...
+
+    def take_spare(self, failed: str, timeout: float = 5.0) -> WorkerClient:
+        """A spare that answers, put in place of the worker ``failed``."""
+        ...
+
+    def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
+                    placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
+                    progress: Callable[[str, int, int], None] | None = None
+                    ) -> list[StageSpec]:
+        """Load stage k on ``placed[k]``, linked to the next one; returns the loaded specs."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +94,7 @@ class Pipeline:
     Created by :meth:`Cluster.deploy`. For stateful models use :meth:`session`.
     """
 
-    def __init__(self, cluster: Cluster, pipeline_id: str, specs: Sequence[StageSpec],
+    def __init__(self, cluster: Placement, pipeline_id: str, specs: Sequence[StageSpec],
                  clients: Sequence[WorkerClient], *, heartbeat_timeout: float = 5.0,
                  model: Model | None = None, fetch: Callable[[str], bytes] | None = None) -> None:
         self.cluster = cluster

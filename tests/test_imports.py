@@ -69,3 +69,93 @@ assert len(pub.manifest.stages) == 2
     assert _loaded(mods, ("grpc", "jaxdist.coordinator", "jaxdist.pipeline",
                           "jaxdist.transport", "jaxdist.local")) == []
     assert (tmp_path / "registry").is_dir()
+
+
+# The one circle left, to go with the registry's own package (issue #12): open_registry
+# imports UrlRegistry lazily, and urlregistry imports the shared layout from registry.
+KNOWN_CIRCLES = [{"jaxdist.registry", "jaxdist.urlregistry"}]
+
+ROOT = TESTS.parent
+PACKAGES = {"jaxdist": ROOT / "jaxdist", "jaxdist.worker": ROOT / "worker",
+            "jaxdist.exporters": ROOT / "exporters"}
+
+
+def _project_modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if "proto" in parts:  # generated code
+                continue
+            mods[".".join([pkg, *parts])] = path
+    return mods
+
+
+def _imports(path: pathlib.Path, module: str, known: set[str]) -> set[str]:
+    """Project modules ``path`` imports anywhere in the file (function bodies and
+    TYPE_CHECKING blocks included): a lazy import is still a dependency."""
+    import ast
+
+    out = set()
+    is_pkg = path.name == "__init__.py"
+    base = module if is_pkg else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            src = node.module or ""
+            if node.level:
+                up = base.split(".")[: len(base.split(".")) - (node.level - 1)]
+                src = ".".join([*up, src] if src else up)
+            names = [src] + [f"{src}.{a.name}" for a in node.names]
+        else:
+            continue
+        for n in names:
+            while n and n not in known:
+                n = n.rpartition(".")[0]
+            if n and n != module:
+                out.add(n)
+    return out
+
+
+def test_no_import_circles() -> None:
+    """The import graph of jaxdist, worker and exporters has no cycle (but the one known).
+    The ``jaxdist`` facade is left out: it imports nothing at run time (names resolve lazily)."""
+    mods = _project_modules()
+    known = set(mods)
+    graph = {m: _imports(p, m, known) - {"jaxdist"} for m, p in mods.items() if m != "jaxdist"}
+    # Tarjan's strongly connected components.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    unknown = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
+    assert not unknown, f"import circles: {unknown}"
+    assert len(graph) > 50  # the walk saw the project
