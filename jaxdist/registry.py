@@ -1,4 +1,5 @@
-"""A local, content-addressed artifact store, and the layout every registry shares.
+"""A local, content-addressed artifact store (the layout every registry shares is in
+:mod:`jaxdist.registry_layout`).
 
 Artifacts are addressed by ``sha256:<64 hex>`` (:func:`jaxdist.artifacts.digest_of`). On disk::
 
@@ -25,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -33,159 +33,21 @@ import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from jaxdist.artifacts import digest_of
 from jaxdist.errors import ArtifactError
+from jaxdist.registry_layout import (MANIFESTS, ArtifactEntry, ArtifactStore, ManifestEntry,
+                                     Registry, find_manifest, hex_of, manifest_filename,
+                                     parse_manifest_filename)
 
 __all__ = ["ArtifactEntry", "ArtifactStore", "LocalRegistry", "ManifestEntry", "find_manifest",
            "manifest_filename", "open_registry", "Registry"]
 
 logger = logging.getLogger(__name__)
 
-_DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 _TMP_PREFIX = ".tmp-"
-_MANIFEST_FILE_RE = re.compile(r"^(?P<name>.+)-(?P<hex>[0-9a-f]{64})\.json$")
-MANIFESTS = "manifests"
-
-
-@dataclasses.dataclass(frozen=True)
-class ArtifactEntry:
-    """One stored artifact.
-
-    Attributes:
-        digest: ``sha256:<hex>``.
-        size: size of the artifact in bytes.
-        mtime: modification time of the stored file (seconds since the epoch).
-    """
-
-    digest: str
-    size: int
-    mtime: float
-
-
-@dataclasses.dataclass(frozen=True)
-class ManifestEntry:
-    """One stored manifest.
-
-    Attributes:
-        name: the model name it was stored under.
-        digest: ``sha256:<hex>`` of the manifest file.
-        size: bytes.
-        mtime: modification time (seconds since the epoch; 0 when the store does not say).
-        location: path or URL of the file.
-    """
-
-    name: str
-    digest: str
-    size: int
-    mtime: float
-    location: str
-
-
-def manifest_filename(name: str, digest: str) -> str:
-    """``NAME-HEX.json``: the file name a manifest is stored under (name made path-safe)."""
-    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).strip("._") or "model"
-    return f"{safe[:100]}-{_hex_of(digest)}.json"
-
-
-def parse_manifest_filename(filename: str) -> tuple[str, str] | None:
-    """``(name, digest)`` of a manifest file name, or ``None`` if it is not one."""
-    m = _MANIFEST_FILE_RE.match(filename)
-    return (m["name"], f"sha256:{m['hex']}") if m else None
-
-
-def find_manifest(entries: list[ManifestEntry], ref: str, where: str) -> ManifestEntry:
-    """Resolve ``ref`` among stored manifests: a file name, a digest or digest prefix (at least
-    6 hex digits, ``sha256:`` optional), or a model name (the newest manifest of that name).
-
-    Raises:
-        ArtifactError: nothing matches, or a digest prefix is ambiguous.
-    """
-    ref = ref.strip()
-    by_file = [e for e in entries if e.location.rpartition("/")[2] == ref
-               or Path(e.location).name == ref]
-    if by_file:
-        return by_file[0]
-    hex_ref = ref.removeprefix("sha256:")
-    if re.fullmatch(r"[0-9a-f]{6,64}", hex_ref):
-        hits = [e for e in entries if e.digest.removeprefix("sha256:").startswith(hex_ref)]
-        if len(hits) == 1:
-            return hits[0]
-        if len(hits) > 1:
-            raise ArtifactError(f"manifest digest prefix {ref!r} is ambiguous in {where}: "
-                                f"{', '.join(e.digest[:19] for e in hits)}; give more digits")
-    named = sorted((e for e in entries if e.name == ref), key=lambda e: e.mtime)
-    if named:
-        return named[-1]
-    known = sorted({e.name for e in entries})
-    raise ArtifactError(f"no manifest {ref!r} in {where}; it holds manifests of "
-                        f"{known or 'no model'} (jaxdist registry ls lists them)",
-                        code="NOT_FOUND")
-
-
-@runtime_checkable
-class ArtifactStore(Protocol):
-    """Where artifacts live, keyed by digest. ``LocalRegistry`` is the on-disk implementation."""
-
-    def put(self, data: bytes, meta: Mapping[str, Any] | None = None) -> str:
-        """Store ``data`` (idempotent) and return its digest."""
-        ...
-
-    def get(self, digest: str) -> bytes:
-        """The bytes stored under ``digest``, verified; ``ArtifactError`` if missing or corrupt."""
-        ...
-
-    def has(self, digest: str) -> bool:
-        """Whether ``digest`` is stored."""
-        ...
-
-    def list(self) -> list[ArtifactEntry]:
-        """Every stored artifact, sorted by digest."""
-        ...
-
-    def delete(self, digest: str) -> None:
-        """Remove ``digest`` and its metadata; ``ArtifactError`` if missing."""
-        ...
-
-
-@runtime_checkable
-class Registry(ArtifactStore, Protocol):
-    """An artifact store that also holds manifests: :class:`LocalRegistry` and
-    :class:`jaxdist.urlregistry.UrlRegistry`."""
-
-    location: str
-    writable: bool
-
-    def meta(self, digest: str) -> dict[str, Any] | None:
-        """The artifact's sidecar metadata, or ``None``."""
-        ...
-
-    def put_manifest(self, data: bytes, name: str) -> ManifestEntry:
-        ...
-
-    def get_manifest(self, digest: str) -> bytes:
-        ...
-
-    def list_manifests(self) -> list[ManifestEntry]:
-        ...
-
-    def find_manifest(self, ref: str) -> ManifestEntry:
-        ...
-
-    def delete_manifest(self, digest: str) -> None:
-        ...
-
-
-def _hex_of(digest: str) -> str:
-    match = _DIGEST_RE.match(digest) if isinstance(digest, str) else None
-    if match is None:
-        raise ArtifactError(
-            f"artifact digest {digest!r} is malformed: expected 'sha256:' followed by 64 "
-            "lowercase hex digits, as returned by jaxdist.artifacts.digest_of"
-        )
-    return match.group(1)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -246,7 +108,7 @@ class LocalRegistry:
 
     def path_of(self, digest: str) -> Path:
         """Where ``digest`` is (or would be) stored."""
-        return self._path(_hex_of(digest))
+        return self._path(hex_of(digest))
 
     def put(self, data: bytes, meta: Mapping[str, Any] | None = None) -> str:
         """Store ``data`` and return its digest. Storing the same bytes again is a no-op.
@@ -272,7 +134,7 @@ class LocalRegistry:
                 raise ArtifactError(
                     f"metadata for artifact {digest} is not JSON-serializable: {exc}"
                 ) from exc
-        path = self._path(_hex_of(digest))
+        path = self._path(hex_of(digest))
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_file() and digest_of(path.read_bytes()) == digest:
             logger.debug("artifact %s already in %s", digest, self.root)
@@ -291,7 +153,7 @@ class LocalRegistry:
             ArtifactError: the digest is malformed, the artifact is missing, or the stored file
                 no longer hashes to its digest (corrupt).
         """
-        path = self._path(_hex_of(digest))
+        path = self._path(hex_of(digest))
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -314,7 +176,7 @@ class LocalRegistry:
         Raises:
             ArtifactError: the digest is malformed.
         """
-        return self._path(_hex_of(digest)).is_file()
+        return self._path(hex_of(digest)).is_file()
 
     def meta(self, digest: str) -> dict[str, Any] | None:
         """The sidecar metadata of ``digest``, or ``None`` if it was stored without any.
@@ -323,7 +185,7 @@ class LocalRegistry:
             ArtifactError: the digest is malformed, the artifact is missing, or the sidecar is
                 not valid JSON.
         """
-        path = self._path(_hex_of(digest))
+        path = self._path(hex_of(digest))
         if not path.is_file():
             raise ArtifactError(f"artifact {digest} not in registry at {self.root}",
                                 code="NOT_FOUND")
@@ -353,7 +215,7 @@ class LocalRegistry:
         Raises:
             ArtifactError: the digest is malformed or the artifact is missing.
         """
-        path = self._path(_hex_of(digest))
+        path = self._path(hex_of(digest))
         try:
             path.unlink()
         except FileNotFoundError:
@@ -395,7 +257,7 @@ class LocalRegistry:
         Raises:
             ArtifactError: missing, or corrupt (the bytes hash to something else).
         """
-        _hex_of(digest)
+        hex_of(digest)
         entry = next((e for e in self.list_manifests() if e.digest == digest), None)
         if entry is None:
             raise ArtifactError(f"manifest {digest} not in registry at {self.root}",

@@ -27,12 +27,12 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 from jaxdist.errors import ArtifactError
-from jaxdist.registry import (
+from jaxdist.registry_layout import (
     MANIFESTS,
     ArtifactEntry,
     ManifestEntry,
-    _hex_of,
     find_manifest,
+    hex_of,
     manifest_filename,
     parse_manifest_filename,
 )
@@ -138,7 +138,7 @@ class UrlRegistry:
 
     def url_of(self, digest: str) -> str:
         """The URL ``digest`` is (or would be) stored at."""
-        return f"{self.url}/{self._rel(_hex_of(digest))}"
+        return f"{self.url}/{self._rel(hex_of(digest))}"
 
     # -- reading and writing -------------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class UrlRegistry:
         """
         data = bytes(data)
         digest = digest_of(data)
-        rel = self._rel(_hex_of(digest))
+        rel = self._rel(hex_of(digest))
         text = None
         if meta is not None:
             try:
@@ -202,7 +202,7 @@ class UrlRegistry:
             ArtifactError: malformed digest, missing, unreadable, or the bytes hash to another
                 digest (the message names the digest and the URL).
         """
-        rel = self._rel(_hex_of(digest))
+        rel = self._rel(hex_of(digest))
         data = self._read(rel, f"artifact {digest}")
         found = digest_of(data)
         if found != digest:
@@ -214,7 +214,7 @@ class UrlRegistry:
 
     def has(self, digest: str) -> bool:
         try:
-            return bool(self.fs.exists(self._path(self._rel(_hex_of(digest)))))
+            return bool(self.fs.exists(self._path(self._rel(hex_of(digest)))))
         except OSError as exc:
             raise ArtifactError(f"registry {self.url}: cannot check {digest}: {exc}",
                                 code="UNAVAILABLE") from None
@@ -225,7 +225,7 @@ class UrlRegistry:
         Raises:
             ArtifactError: the artifact is missing, or the sidecar is not JSON.
         """
-        rel = self._rel(_hex_of(digest))
+        rel = self._rel(hex_of(digest))
         if not self.has(digest):
             raise ArtifactError(f"artifact {digest} not in registry {self.url}",
                                 code="NOT_FOUND")
@@ -269,7 +269,7 @@ class UrlRegistry:
         return sorted(entries, key=lambda e: e.digest)
 
     def delete(self, digest: str) -> None:
-        rel = self._rel(_hex_of(digest))
+        rel = self._rel(hex_of(digest))
         if not self.writable:
             self._write(rel, b"")  # raises the read-only error
         if not self.has(digest):

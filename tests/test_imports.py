@@ -71,9 +71,7 @@ assert len(pub.manifest.stages) == 2
     assert (tmp_path / "registry").is_dir()
 
 
-# The one circle left, to go with the registry's own package (issue #12): open_registry
-# imports UrlRegistry lazily, and urlregistry imports the shared layout from registry.
-KNOWN_CIRCLES = [{"jaxdist.registry", "jaxdist.urlregistry"}]
+KNOWN_CIRCLES: list[set[str]] = []  # none; a circle found here is a design error to fix
 
 ROOT = TESTS.parent
 PACKAGES = {"jaxdist": ROOT / "jaxdist", "jaxdist.worker": ROOT / "worker",
@@ -120,7 +118,7 @@ def _imports(path: pathlib.Path, module: str, known: set[str]) -> set[str]:
 
 
 def test_no_import_circles() -> None:
-    """The import graph of jaxdist, worker and exporters has no cycle (but the one known).
+    """The import graph of jaxdist, worker and exporters has no cycle.
     The ``jaxdist`` facade is left out: it imports nothing at run time (names resolve lazily)."""
     mods = _project_modules()
     known = set(mods)
