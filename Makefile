@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo demo-mlp test setup bench proto clean
+.PHONY: demo demo-mlp test typecheck setup bench proto clean
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ demo-mlp: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q
+
+typecheck: $(VENV)/.test
+	$(PY) -m mypy
 
 bench: $(VENV)/.test
 	$(PIP) -e '.[bench]'

@@ -141,7 +141,7 @@ class BertConfig:
             max_length=min(int(st_max), max_position) if st_max else max_position)
 
 
-def _read_json(file: Path) -> dict[str, Any] | list[Any]:
+def _read_json(file: Path) -> Any:
     if not file.is_file():
         return {}
     try:

@@ -205,7 +205,7 @@ def _hf_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
     if cfg.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={cfg['hidden_act']}")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = str(rope.get("rope_type", rope.get("type", "default")))
     if rope_type not in ("default", "linear", "llama3"):
         unsupported.append(f"rope_type={rope_type}")
     if unsupported:

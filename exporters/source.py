@@ -162,7 +162,7 @@ class WeightTable:
                             f"from the config")
         qtype = info.storage_type
         packed = self.quantized and len(shape) == 2 and qtype in KERNEL_TYPES
-        if self.quantized and qtype not in (None, "F32", *KERNEL_TYPES) and \
+        if self.quantized and qtype is not None and qtype not in ("F32", *KERNEL_TYPES) and \
                 qtype not in self._no_kernel:
             self._no_kernel.add(qtype)
             log.warning("%s '%s': GGML type %s has no kernel; its tensors (first: %s) are "

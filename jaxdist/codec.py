@@ -71,7 +71,9 @@ DEFAULT_MAX_TENSORS = 256
 _MAX_RANK = 64
 _MAX_ARRAY_BYTES = (1 << 63) - 1
 
-_NP_BY_ENUM: dict[int, np.dtype] = {
+_Enum = pb.DType  # a jaxdist.v1.DType value (an int on the wire)
+
+_NP_BY_ENUM: dict[_Enum, np.dtype] = {
     pb.F32: np.dtype(np.float32),
     pb.F16: np.dtype(np.float16),
     pb.BF16: np.dtype(ml_dtypes.bfloat16),
@@ -86,7 +88,7 @@ _NP_BY_ENUM: dict[int, np.dtype] = {
     pb.U64: np.dtype(np.uint64),
     pb.BOOL: np.dtype(np.bool_),
 }
-_ENUM_BY_NAME: dict[str, int] = {dt.name: enum for enum, dt in _NP_BY_ENUM.items()}
+_ENUM_BY_NAME: dict[str, _Enum] = {dt.name: enum for enum, dt in _NP_BY_ENUM.items()}
 _ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64",
             "bool_": "bool", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64",
             "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64"}
@@ -117,10 +119,10 @@ def dtype_from_name(name: str) -> np.dtype:
     return _NP_BY_ENUM[_ENUM_BY_NAME[canonical_dtype(name)]]
 
 
-_ENUM_BY_DTYPE: dict[np.dtype, int] = {dt: enum for enum, dt in _NP_BY_ENUM.items()}
+_ENUM_BY_DTYPE: dict[np.dtype, _Enum] = {dt: enum for enum, dt in _NP_BY_ENUM.items()}
 
 
-def _wire(name: str, array: Any) -> tuple[int, list[int], memoryview]:
+def _wire(name: str, array: Any) -> tuple[_Enum, list[int], memoryview]:
     """(dtype enum, shape, raw little-endian C-order bytes) of an array, copying only if needed."""
     arr = np.asarray(array)
     enum = _ENUM_BY_DTYPE.get(arr.dtype)
@@ -138,10 +140,10 @@ def _wire(name: str, array: Any) -> tuple[int, list[int], memoryview]:
         # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
         arr = arr.copy(order="C")
     # Via uint8: bfloat16 has no buffer format of its own.
-    return enum, list(arr.shape), memoryview(arr.reshape(-1).view(np.uint8))
+    return enum, list(arr.shape), arr.reshape(-1).view(np.uint8).data
 
 
-Chunk = tuple[str, int, list[int], memoryview, int, int]
+Chunk = tuple[str, _Enum, list[int], memoryview, int, int]
 """One message's worth of a tensor: (name, dtype enum, shape, data view, offset, total bytes)."""
 
 
@@ -176,7 +178,7 @@ def encode(name: str, array: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> 
             for n, e, sh, d, o, t in chunks(name, array, chunk_bytes=chunk_bytes)]
 
 
-def _check(name: str, enum: int, dims: Iterable[int], offset: int, total: int
+def _check(name: str, enum: _Enum, dims: Iterable[int], offset: int, total: int
            ) -> tuple[np.dtype, tuple[int, ...], int]:
     """(dtype, shape, byte size) of a tensor header, checked against itself."""
     dtype = _NP_BY_ENUM.get(enum)

@@ -132,7 +132,8 @@ class Cluster:
         constructor (``timeout``, ``heartbeat_timeout``). The workers' ``token_file``,
         ``tls_cert``, ``tls_key`` and ``tls_ca`` are also the cluster's own credentials.
         """
-        ctor = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout") if k in kwargs}
+        ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout")
+                                if k in kwargs}
         auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
                                                        "tls_ca") if kwargs.get(k)})
         ctor.update(metadata=auth.metadata, credentials=auth.credentials)

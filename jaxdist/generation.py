@@ -223,7 +223,7 @@ class Generator:
                     ", ".join(f"stages {list(m.stages)} {m.failed} -> {m.spare}" for m in moved)
                     or "reloaded in place", len(history))
         session = f"gen-{uuid.uuid4().hex[:12]}"
-        steps = itertools.count()
+        steps: Iterator[int] = itertools.count()
         window: collections.deque[tuple[Any, np.ndarray, int]] = collections.deque()
         mismatched = 0
 
@@ -307,7 +307,7 @@ class Generator:
                                 f"{self.max_seq} (export with a larger max_seq)")
             seqs.append(_Seq(i, list(prompt), p, pending=list(prompt)))
         session = f"gen-{uuid.uuid4().hex[:12]}"
-        steps = itertools.count()
+        steps: Iterator[int] = itertools.count()
         waiting = list(seqs)
         active: list[_Seq] = []
         free = list(range(self.max_slots))

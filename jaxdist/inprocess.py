@@ -62,7 +62,7 @@ class InProcessPipeline:
                 if step == 0:
                     states = [s.init_state() for s in self.stages]
                 else:
-                    last, states = self._sessions.get(session_id, (-1, None))  # type: ignore[assignment]
+                    last, states = self._sessions.get(session_id, (-1, None))
                     if states is None or last != step - 1:
                         raise SessionError(f"session {session_id!r}: expected step {last + 1}, "
                                            f"found step {step}")

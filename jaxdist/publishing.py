@@ -100,8 +100,11 @@ def publish(model: Model | LoadedModel, registry: Registry | str | os.PathLike[s
         SpecError: impossible split; errors of tracing propagate.
     """
     progress = progress or log_progress
-    loaded = model if isinstance(model, LoadedModel) else None
-    bare = loaded.model if loaded is not None else model
+    loaded: LoadedModel | None
+    if isinstance(model, LoadedModel):
+        loaded, bare = model, model.model
+    else:
+        loaded, bare = None, model
     store = (open_registry(registry, create=True)
              if isinstance(registry, (str, os.PathLike)) else registry)
     if not getattr(store, "writable", True):
@@ -170,7 +173,8 @@ def unreferenced(store: Registry, *, min_age: float = 0.0
             raise type(exc)(f"cannot collect garbage: {exc}; fix or delete that manifest "
                             f"first") from None
     now = time.time()
-    garbage, young = [], []
+    garbage: list[ArtifactEntry] = []
+    young: list[ArtifactEntry] = []
     for a in store.list():
         if a.digest in referenced:
             continue

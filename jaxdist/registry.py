@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -200,7 +201,7 @@ class LocalRegistry:
                 "artifact again with its metadata"
             ) from exc
 
-    def list(self) -> list[ArtifactEntry]:
+    def list(self) -> builtins.list[ArtifactEntry]:
         """Every stored artifact, sorted by digest. Temp files and sidecars are skipped."""
         entries = []
         for path in (self.root / "sha256").glob("??/*"):
@@ -236,7 +237,7 @@ class LocalRegistry:
             logger.info("stored manifest %s of %s in %s", digest, name, self.root)
         return ManifestEntry(name, digest, len(data), path.stat().st_mtime, str(path))
 
-    def list_manifests(self) -> list[ManifestEntry]:
+    def list_manifests(self) -> builtins.list[ManifestEntry]:
         """Every stored manifest, oldest first."""
         entries = []
         for path in (self.root / MANIFESTS).glob("*.json"):

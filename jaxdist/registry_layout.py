@@ -13,6 +13,7 @@ implementations import it and neither imports the other.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -120,7 +121,7 @@ class ArtifactStore(Protocol):
         """Whether ``digest`` is stored."""
         ...
 
-    def list(self) -> list[ArtifactEntry]:
+    def list(self) -> builtins.list[ArtifactEntry]:
         """Every stored artifact, sorted by digest."""
         ...
 
@@ -134,8 +135,15 @@ class Registry(ArtifactStore, Protocol):
     """An artifact store that also holds manifests: :class:`LocalRegistry` and
     :class:`jaxdist.urlregistry.UrlRegistry`."""
 
-    location: str
-    writable: bool
+    @property
+    def location(self) -> str:
+        """Where the registry is (a path or URL)."""
+        ...
+
+    @property
+    def writable(self) -> bool:
+        """Whether put/delete are allowed."""
+        ...
 
     def meta(self, digest: str) -> dict[str, Any] | None:
         """The artifact's sidecar metadata, or ``None``."""
@@ -147,7 +155,7 @@ class Registry(ArtifactStore, Protocol):
     def get_manifest(self, digest: str) -> bytes:
         ...
 
-    def list_manifests(self) -> list[ManifestEntry]:
+    def list_manifests(self) -> builtins.list[ManifestEntry]:
         ...
 
     def find_manifest(self, ref: str) -> ManifestEntry:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -224,7 +225,7 @@ class StageSpec:
     def state_bytes(self) -> int:
         return sum(s.nbytes for s in self.state)
 
-    def replace(self, **changes: object) -> StageSpec:
+    def replace(self, **changes: Any) -> StageSpec:
         return dataclasses.replace(self, **changes)
 
     def to_proto(self) -> pb.StageSpec:

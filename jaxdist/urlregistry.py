@@ -18,6 +18,7 @@ export into a directory, ``file://`` or a writable object store, and serve that.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import uuid
@@ -258,7 +259,7 @@ class UrlRegistry:
                     pass
         return found
 
-    def list(self) -> list[ArtifactEntry]:
+    def list(self) -> builtins.list[ArtifactEntry]:
         """Every artifact, sorted by digest (needs a listable filesystem; see module doc)."""
         entries = []
         for path, info in self._find("sha256").items():
@@ -287,7 +288,7 @@ class UrlRegistry:
         self._write(rel, data)
         return ManifestEntry(name, digest, len(data), 0.0, f"{self.url}/{rel}")
 
-    def list_manifests(self) -> list[ManifestEntry]:
+    def list_manifests(self) -> builtins.list[ManifestEntry]:
         entries = []
         for path, info in self._find(MANIFESTS).items():
             filename = path.rstrip("/").rpartition("/")[2]

@@ -58,7 +58,7 @@ def add_auth_args(p: argparse.ArgumentParser) -> None:
                    help="connect with TLS and verify the workers' certificates against this CA")
 
 
-def auth_files(opts: argparse.Namespace) -> dict[str, str | None]:
+def auth_files(opts: argparse.Namespace) -> dict[str, Any]:
     """The credential options as keyword arguments (``token_file=``, ``tls_cert=``, ...)."""
     return {"token_file": opts.token_file, "tls_cert": opts.tls_cert, "tls_key": opts.tls_key,
             "tls_ca": opts.tls_ca}

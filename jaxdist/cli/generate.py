@@ -216,7 +216,7 @@ def run_generate(opts: argparse.Namespace) -> int:
                         decode=tok.decode if tok is not None else None,
                         depth=len(pipe.specs))
         stream = tok.stream_decoder() if tok is not None and not opts.json else None
-        if stream is not None and not opts.chat:
+        if stream is not None and tok is not None and not opts.chat:
             sys.stdout.write(tok.decode(ids))  # echo the prompt, then stream the continuation
             sys.stdout.flush()
 

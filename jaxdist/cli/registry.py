@@ -56,7 +56,7 @@ def _date(mtime: float) -> str:
 
 
 def _manifests(store: Registry) -> list[tuple[Any, Manifest | None, str]]:
-    out = []
+    out: list[tuple[Any, Manifest | None, str]] = []
     for entry in store.list_manifests():
         try:
             out.append((entry, Manifest.from_json(store.get_manifest(entry.digest),

@@ -36,7 +36,7 @@ class FrameHeader:
     stage: int
     request_id: int = 0
     reply_to: str = ""
-    kind: int = pb.FRAME_DATA
+    kind: pb.FrameKind = pb.FRAME_DATA
 
 
 _F = {f.name: f.number for f in pb.Frame.DESCRIPTOR.fields}
@@ -172,7 +172,7 @@ def parse_event(data: bytes) -> EventView:
 
 def serialize(msg: bytes | pb.Frame | pb.Event) -> bytes:
     """The serializer of both streams: messages built here are bytes already."""
-    return msg if type(msg) is bytes else msg.SerializeToString()
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
 def error_frame(header: FrameHeader, error: pb.RemoteError) -> pb.Frame:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +36,7 @@ __all__ = ["WeightCache", "WeightInfo"]
 logger = logging.getLogger(__name__)
 
 _Reader = GGUFFile | SafetensorsFile
+_R = TypeVar("_R", GGUFFile, SafetensorsFile)
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
@@ -186,7 +187,7 @@ class WeightCache:
 
     # -- locating ---------------------------------------------------------------------------
 
-    def _open(self, path: Path, kind: type[_Reader]) -> _Reader:
+    def _open(self, path: Path, kind: type[_R]) -> _R:
         with self._lock:
             if self._closed:
                 raise WeightError("WeightCache is closed; create a new one to resolve weights")
@@ -486,7 +487,7 @@ class WeightCache:
             raise WeightError(
                 f"{where}: sha256 must be 64 hex digits, found {sha256!r}; fix the spec"
             )
-        digest = hashlib.sha256(np.ascontiguousarray(self._stored(loc))).hexdigest()
+        digest = hashlib.sha256(np.ascontiguousarray(self._stored(loc)).data).hexdigest()
         if digest != sha256.lower():
             raise WeightError(
                 f"{where}: checksum mismatch: expected sha256 {sha256.lower()}, found {digest}; "

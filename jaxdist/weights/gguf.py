@@ -183,7 +183,7 @@ class _Parser:
             self.need(count * dtype.itemsize, f"the {count} {_V(itype).name} elements of {what}")
             values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
             self.pos += count * dtype.itemsize
-            return values  # type: ignore[no-any-return]
+            return values
         if itype == _V.STRING:
             return self.strings(count, what)
         if itype == _V.ARRAY:
@@ -294,7 +294,7 @@ class GGUFFile:
                                      else np.memmap(self.path, dtype=np.uint8, mode="r"))
         except (OSError, ValueError) as exc:
             raise WeightError(f"GGUF file '{self.path}' could not be read: {exc}; {_FIX}") from exc
-        self._header = _parse_header(memoryview(self._map), self.path)
+        self._header = _parse_header(self._map.data, self.path)
         self._tensors = self._header.tensors
         logger.debug("opened GGUF v%d %s: %d tensors, %d keys", self._header.version, self.path,
                      len(self._tensors), len(self._header.metadata))
@@ -356,7 +356,7 @@ class GGUFFile:
         logger.debug("dequantizing %s (%s) with gguf.quants (no in-graph path)", name, info.quant)
         try:
             rows = raw.reshape(quant.packed_shape(info.quant, info.shape))
-            out = gguf_quants.dequantize(rows, _T[info.quant])
+            out = gguf_quants.dequantize(rows, _T.__members__[info.quant])
         except NotImplementedError as exc:
             raise WeightError(
                 f"tensor '{name}' in '{self.path}' has GGML type {info.quant}, which neither "
