@@ -157,3 +157,21 @@ def test_no_import_circles() -> None:
     unknown = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
     assert not unknown, f"import circles: {unknown}"
     assert len(graph) > 50  # the walk saw the project
+
+
+def test_cli_export_imports_no_grpc(tmp_path: pathlib.Path) -> None:
+    """``jaxdist export`` of a (small, quantized) GGUF into a registry: the whole CLI is loaded,
+    and still no gRPC, no worker spawner, no coordinator."""
+    code = f"""
+import ggml_blocks
+from jaxdist.cli import main
+ggml_blocks.write_llama_gguf({str(tmp_path / "m.gguf")!r}, types={{"attn": "Q4_K", "ffn": "Q8_0"}})
+rc = main(["export", "--model", {str(tmp_path / "m.gguf")!r}, "--registry",
+           {str(tmp_path / "registry")!r}, "--platforms", "cpu", "--max-seq", "32",
+           "--slots", "2", "--buckets", "8"])
+assert rc == 0, rc
+"""
+    mods = _modules_after(code)
+    assert _loaded(mods, ("grpc", "jaxdist.coordinator", "jaxdist.pipeline",
+                          "jaxdist.transport", "jaxdist.local")) == []
+    assert list((tmp_path / "registry" / "manifests").glob("*.json"))

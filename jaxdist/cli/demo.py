@@ -13,7 +13,6 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxdist.cli.common import ProgressBar, add_auth_args, auth_files
-from jaxdist.coordinator import Cluster
 from jaxdist.model import Model, Param, Unit
 
 __all__ = ["add_parser"]
@@ -49,6 +48,8 @@ def run(opts: argparse.Namespace) -> int:
         ref = np.tanh(ref @ weights[f"l{i}.w"])
     n = opts.local or 2
     print(f"spawning {n} local workers; weights in {root} (only URIs cross the network)")
+    from jaxdist.coordinator import Cluster  # noqa: PLC0415 - gRPC only for this verb
+
     with Cluster.local(n, weights_roots=[root], **auth_files(opts)) as cluster:
         pipe = cluster.deploy(model, progress=ProgressBar())
         for k, spec in enumerate(pipe.specs):

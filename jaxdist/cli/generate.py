@@ -22,17 +22,19 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
-from jaxdist.coordinator import Cluster
 from jaxdist.errors import JaxdistError, SpecError
 from jaxdist.exporting import load_model
 from jaxdist.generation import Generator, SamplingParams
 from jaxdist.manifest import open_manifest
-from jaxdist.pipeline import Pipeline
+
+if TYPE_CHECKING:  # gRPC is imported when a verb dials workers (cli.common.open_cluster)
+    from jaxdist.coordinator import Cluster
+    from jaxdist.pipeline import Pipeline
 
 __all__ = ["add_parsers", "default_model"]
 

@@ -17,7 +17,6 @@ from google.protobuf.json_format import MessageToDict
 
 from jaxdist.cli.common import add_auth_args, client_auth_of, fmt_bytes
 from jaxdist.errors import JaxdistError
-from jaxdist.transport.client import WorkerClient
 
 __all__ = ["add_parser"]
 
@@ -35,6 +34,8 @@ def run(opts: argparse.Namespace) -> int:
     addresses = [a.strip() for a in opts.workers.split(",") if a.strip()]
     if not addresses:
         raise JaxdistError("status needs --workers HOST:PORT[,HOST:PORT...]")
+    from jaxdist.transport.client import WorkerClient  # noqa: PLC0415 - gRPC only here
+
     auth = client_auth_of(opts)
     replies = []
     for a in addresses:
