@@ -140,7 +140,7 @@ class Versions(_message.Message):
     def __init__(self, spec: _Optional[str] = ..., jax: _Optional[str] = ..., jaxlib: _Optional[str] = ..., serialization_version: _Optional[int] = ..., calling_convention_version: _Optional[int] = ..., stablehlo: _Optional[str] = ...) -> None: ...
 
 class StageSpec(_message.Message):
-    __slots__ = ("spec_version", "model", "stage_index", "num_stages", "artifact_digest", "artifact", "inputs", "outputs", "state", "weights", "device", "next_hop", "buckets", "versions", "platforms", "stage_id", "donate_state")
+    __slots__ = ("spec_version", "model", "stage_index", "num_stages", "artifact_digest", "artifact", "inputs", "outputs", "state", "weights", "device", "next_hop", "buckets", "versions", "platforms", "stage_id")
     SPEC_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -157,7 +157,6 @@ class StageSpec(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PLATFORMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
-    DONATE_STATE_FIELD_NUMBER: _ClassVar[int]
     spec_version: str
     model: str
     stage_index: int
@@ -174,8 +173,7 @@ class StageSpec(_message.Message):
     versions: Versions
     platforms: _containers.RepeatedScalarFieldContainer[str]
     stage_id: str
-    donate_state: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, spec_version: _Optional[str] = ..., model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., artifact: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateSig, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[WeightRef, _Mapping]]] = ..., device: _Optional[str] = ..., next_hop: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., platforms: _Optional[_Iterable[str]] = ..., stage_id: _Optional[str] = ..., donate_state: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, spec_version: _Optional[str] = ..., model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., artifact: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateSig, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[WeightRef, _Mapping]]] = ..., device: _Optional[str] = ..., next_hop: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., platforms: _Optional[_Iterable[str]] = ..., stage_id: _Optional[str] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("code", "type", "message", "traceback", "stage", "address")
