@@ -161,6 +161,14 @@ def llamacpp_rows(run: dict[str, Any]) -> list[str]:
     compared = {r.get("llamacpp_config") for r in recs
                 if r["metric"].startswith("jaxdist_vs_llamacpp_")}
     out = [generic_row(r) for r in recs if r["metric"].startswith("jaxdist_vs_llamacpp_")]
+    for r in recs:  # worker RSS, with llama.cpp's own processes' RSS beside it
+        if r["metric"].startswith("jaxdist_rss_"):
+            peer = ", ".join(f"{k} {num(v)} MB"
+                             for k, v in (r.get("llamacpp_rss_mb") or {}).items())
+            out.append(row(r["metric"],
+                           f"{qty(r['value'], r['unit'])} (RSS {num(r['rss_mb'])} MB)",
+                           f"{qty(r['baseline_value'], 'MB')} bound; llama.cpp RSS: {peer}",
+                           "", str(r.get("target") or ""), met(r.get("meets_target"))))
     for r in recs:
         if not r["metric"].startswith("llamacpp_") or r.get("config") in compared:
             continue

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxdist.buckets import decode_rows, step_buckets
+from jaxdist.buckets import decode_rows
 from jaxdist.errors import JaxdistError, SpecError
 
-__all__ = ["GenerationResult", "Generator", "SamplingParams", "StepPipeline", "step_buckets"]
+__all__ = ["GenerationResult", "Generator", "SamplingParams", "StepPipeline"]
 
 log = logging.getLogger(__name__)
 

@@ -105,11 +105,9 @@ class QTensor:
         return w.T if self.transposed else w
 
 
-def _kernel(x2: Array, blocks: Array, qtype: str, rows: Array | None = None) -> Array:
+def _kernel(x2: Array, blocks: Array, qtype: str, rows: Array) -> Array:
     """The kernel; ``rows`` (M,) int32, zero for a row of x to skip (its result is zeros)."""
     n = blocks.shape[0]
-    if rows is None:
-        rows = jnp.ones((x2.shape[0],), jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     return call(x2, blocks, rows, ggml_type=np.int32(GGMLQuantizationType[qtype].value))
 
