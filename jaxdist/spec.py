@@ -145,6 +145,13 @@ class WeightRef:
             n *= d
         return n
 
+    @property
+    def binding(self) -> tuple[object, ...]:
+        """What a bound array is made of: refs with the same binding share one array (a tied
+        embedding bound packed serves as lookup table and LM head)."""
+        return (self.uri, self.shape, self.dtype, self.sha256, self.packed, self.transpose,
+                self.quant)
+
     def to_proto(self) -> pb.WeightRef:
         return pb.WeightRef(
             param=self.param, uri=self.uri, shape=list(self.shape), dtype=self.dtype,
@@ -217,8 +224,7 @@ class StageSpec:
     def weight_bytes(self) -> int:
         """Bytes the stage binds: weights with the same binding (a tied embedding bound packed,
         as lookup table and LM head) are bound once, and count once."""
-        unique = {(w.uri, w.shape, w.dtype, w.sha256, w.packed, w.transpose, w.quant): w
-                  for w in self.weights}
+        unique = {w.binding: w for w in self.weights}
         return sum(w.nbytes for w in unique.values())
 
     @property

@@ -163,8 +163,7 @@ class WorkerStage:
         # and the LM head at once, with the same bytes.
         bound: dict[tuple[Any, ...], jax.Array] = {}
         for ref in self.spec.weights:
-            key = (ref.uri, ref.shape, ref.dtype, ref.sha256, ref.packed, ref.transpose,
-                   ref.quant)
+            key = ref.binding
             if key not in bound:
                 host = cache.load(ref.uri, param=ref.param, shape=ref.shape, dtype=ref.dtype,
                                   sha256=ref.sha256, packed=ref.packed,
