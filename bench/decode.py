@@ -5,7 +5,7 @@ tensors bound as stored and multiplied by the CPU kernels, see docs/kernels.md),
 with ``max_seq=256``, ``max_slots=8`` and prefill buckets ``(16, 64, 128)``. Five
 configurations are built up front and stay alive for the whole run:
 
-* ``single``: :class:`~jaxdist.inprocess.InProcessPipeline` with one stage in this process. It
+* ``single``: :class:`~jaxdist.coordinator.inprocess.InProcessPipeline` with one stage in this process. It
   runs the same exported artifact through the same ``WorkerStage`` code as a worker, without gRPC.
 * ``single_f32``: the same with every weight dequantized to float32 when bound (``--dequantize``,
   what jaxdist did before the kernels), for the quantized-against-float32 ratio of the same run.
@@ -16,7 +16,7 @@ Every configuration is warmed up first (a short batch-1 generation, and a short 
 batch 8 is measured) so no compile lands in a timed run. Then the timed runs go round-robin over
 the configurations, in an order that rotates each round, so drift of a shared 2-core machine
 hits all of them alike. All of them
-are greedy with ``ignore_eos=True`` and go through :class:`~jaxdist.generation.Generator`.
+are greedy with ``ignore_eos=True`` and go through :class:`~jaxdist.coordinator.generation.Generator`.
 
 Metrics (medians over the timed runs):
 
@@ -177,7 +177,7 @@ def smollm2_path() -> pathlib.Path:
 
 
 def _generator(pipe: Any, loaded: Any, depth: int = 1) -> Any:
-    from jaxdist.generation import Generator
+    from jaxdist.coordinator.generation import Generator
 
     o = loaded.options
     # depth = stages: with several sequences, every stage works on a different part of the
@@ -189,7 +189,7 @@ def _generator(pipe: Any, loaded: Any, depth: int = 1) -> Any:
 
 
 def _build_single(loaded: Any, root: str) -> Config:
-    from jaxdist.inprocess import InProcessPipeline
+    from jaxdist.coordinator.inprocess import InProcessPipeline
 
     t0 = time.perf_counter()
     pipe = InProcessPipeline(loaded.model, weights_roots=[root], stages=1)
@@ -199,7 +199,7 @@ def _build_single(loaded: Any, root: str) -> Config:
 
 
 def _build_workers(loaded: Any, root: str, n: int) -> Config:
-    from jaxdist.coordinator import Cluster
+    from jaxdist.coordinator.cluster import Cluster
 
     t0 = time.perf_counter()
     cluster = Cluster.local(n, weights_roots=[root])
@@ -216,8 +216,8 @@ def _build_workers(loaded: Any, root: str, n: int) -> Config:
 
 
 def _build_f32(root: str) -> Config:
-    from jaxdist.exporting import load_model
-    from jaxdist.inprocess import InProcessPipeline
+    from jaxdist.coordinator.inprocess import InProcessPipeline
+    from jaxdist.export.plugins import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(smollm2_path().name, roots=[root], max_seq=MAX_SEQ, max_slots=MAX_SLOTS,
@@ -269,7 +269,7 @@ def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack) -> list[C
 
 def _batch1(cfg: Config, ids: list[int], n: int) -> tuple[Any, list[float]]:
     """One batch-1 generation: its result and the duration of each decode step."""
-    from jaxdist.generation import SamplingParams
+    from jaxdist.coordinator.generation import SamplingParams
 
     stamps: list[float] = []
     (result,) = cfg.gen.run([ids], SamplingParams(max_tokens=n, ignore_eos=True),
@@ -279,7 +279,7 @@ def _batch1(cfg: Config, ids: list[int], n: int) -> tuple[Any, list[float]]:
 
 def _batch8(cfg: Config, prompts: list[list[int]], n: int) -> tuple[float, float, list[Any]]:
     """(aggregate decode tokens/s, end-to-end tokens/s, results) of one batch-8 run."""
-    from jaxdist.generation import SamplingParams
+    from jaxdist.coordinator.generation import SamplingParams
 
     t0 = time.perf_counter()
     results = cfg.gen.run(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -332,7 +332,7 @@ def measure_rss(cfg: Config, ids: list[int], n: int) -> list[dict[str, Any]]:
     ``cluster.info()`` is called from the token callback halfway through a generation, so every
     worker holds its weights and the session's KV cache at that moment. This run is not timed.
     """
-    from jaxdist.generation import SamplingParams
+    from jaxdist.coordinator.generation import SamplingParams
 
     cluster = cfg.cluster
     if cluster is None:
@@ -469,8 +469,8 @@ def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]]
 def run(quick: bool) -> list[dict[str, Any]]:
     import jax
 
-    from jaxdist import config
-    from jaxdist.exporting import load_model
+    from jaxdist.core import config
+    from jaxdist.export.plugins import load_model
 
     plan = QUICK if quick else FULL
     machine = _common.machine()

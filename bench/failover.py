@@ -36,10 +36,10 @@ note = c.note("failover")
 
 def _trial(root: pathlib.Path, victim_index: int) -> tuple[float, float]:
     import numpy as np
-
     from models import mlp  # noqa: PLC0415 - the tests' model maker, as in the tests
-    from jaxdist.coordinator import Cluster  # noqa: PLC0415
-    from jaxdist.errors import RemoteStageError  # noqa: PLC0415
+
+    from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415
+    from jaxdist.core.errors import RemoteStageError  # noqa: PLC0415
 
     x = np.ones((4, 32), np.float32)
     with Cluster.local(2, weights_roots=[str(root)], spares=1) as cluster:

@@ -81,7 +81,7 @@ def bytes_per_token() -> dict[str, Any]:
     import gguf
 
     from jaxdist.cli.generate import default_model
-    from jaxdist.exporting import load_model
+    from jaxdist.export.plugins import load_model
 
     path = default_model()
     loaded = load_model(path.name, roots=[str(path.parent)], max_seq=256, max_slots=8,

@@ -515,7 +515,7 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
     import _common as c
     import decode as jd  # bench/decode.py: the jaxdist configurations and their measurements
 
-    from jaxdist.exporting import load_model
+    from jaxdist.export.plugins import load_model
 
     machine = c.machine()
     status = ensure_llamacpp(opts.venv)

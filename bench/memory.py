@@ -23,7 +23,7 @@ leaves out the idle process.
 
 **What the rest is made of** (``memory_breakdown_smollm2_stage<k>``): each SmolLM2 stage is
 loaded again in a fresh child process (``--phases-of DIR``, one at a time) through the worker's
-own steps: the CPU kernels loaded (``jaxdist.kernels.load``), a first tiny compile,
+own steps: the CPU kernels loaded (``jaxdist.core.kernels.load``), a first tiny compile,
 ``WorkerStage.prepare``, ``compile`` of each bucket (one reading per executable),
 ``bind``, ``WeightCache.drop_readers``, ``init_state`` and one run of every bucket, with the
 worker's persistent compilation cache (warm: the workers above filled it). The RSS after each
@@ -117,7 +117,7 @@ def _idle(cluster: Any) -> dict[int, dict[str, int]]:
 
 def _smollm2_model() -> tuple[Any, str]:
     from jaxdist.cli.generate import default_model
-    from jaxdist.exporting import load_model
+    from jaxdist.export.plugins import load_model
 
     path = default_model()
     root = str(path.parent)
@@ -126,9 +126,9 @@ def _smollm2_model() -> tuple[Any, str]:
 
 def measure_smollm2(quick: bool) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, Any]]:
     from jaxdist.cli.generate import default_model
-    from jaxdist.coordinator import Cluster
-    from jaxdist.exporting import load_model
-    from jaxdist.generation import Generator, SamplingParams
+    from jaxdist.coordinator.cluster import Cluster
+    from jaxdist.coordinator.generation import Generator, SamplingParams
+    from jaxdist.export.plugins import load_model
 
     path = default_model()
     root = str(path.parent)
@@ -182,7 +182,7 @@ def _dense(params: dict[str, Any], state: dict[str, Any], carry: dict[str, Any]
 
 
 def mlp_model() -> Any:
-    from jaxdist.model import Model, Param, Unit
+    from jaxdist.export.model import Model, Param, Unit
 
     units = [Unit(f"l{i}", _dense,
                   {"w": Param(f"safetensors://mlp.safetensors#l{i}.w", (MLP_D, MLP_D))})
@@ -194,7 +194,7 @@ def mlp_model() -> Any:
 def measure_mlp(root: str, workers: int) -> list[dict[str, Any]]:
     import numpy as np
 
-    from jaxdist.coordinator import Cluster
+    from jaxdist.coordinator.cluster import Cluster
 
     t0 = time.perf_counter()
     x = np.random.default_rng(1).standard_normal((8, MLP_D), dtype=np.float32)
@@ -233,12 +233,12 @@ def phases_child(directory: str) -> dict[str, Any]:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxdist import codec, kernels
-    from jaxdist import config as jd_config
-    from jaxdist.heap import release_free_heap
-    from jaxdist.spec import StageSpec
-    from jaxdist.stage import WorkerStage
-    from jaxdist.weights import WeightCache
+    from jaxdist.core import codec, kernels
+    from jaxdist.core import config as jd_config
+    from jaxdist.core.heap import release_free_heap
+    from jaxdist.core.spec import StageSpec
+    from jaxdist.core.stage import WorkerStage
+    from jaxdist.core.weights import WeightCache
 
     hits: list[str] = []
     jax.monitoring.register_event_listener(
@@ -304,7 +304,7 @@ def phases_child(directory: str) -> dict[str, Any]:
 def _stage_dirs(model: Any, root: str, stages: int, tmp: str) -> list[str]:
     """The stages of ``model`` planned and exported as ``Cluster.deploy`` does, one directory
     each (spec, artifact, weights root) for :func:`phases_child`."""
-    from jaxdist.stagebuild import build_stage_specs, plan_stages
+    from jaxdist.export.stages import build_stage_specs, plan_stages
 
     dirs = []
     for b in build_stage_specs(model, plan_stages(model, stages=stages), platforms=("cpu",)):

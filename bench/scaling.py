@@ -129,7 +129,7 @@ def write_weights(root: str) -> dict[str, Any]:
 
 
 def model() -> Any:
-    from jaxdist.model import Model, Param, Unit
+    from jaxdist.export.model import Model, Param, Unit
 
     units = [Unit(f"l{i}", _dense,
                   {"w": Param(f"safetensors://scaling.safetensors#l{i}.w", (D, D))})
@@ -296,7 +296,7 @@ def projected_scaling(one: list[tuple[float, list[float]]],
 def run(opts: Any) -> list[dict[str, Any]]:
     import numpy as np
 
-    from jaxdist.coordinator import Cluster
+    from jaxdist.coordinator.cluster import Cluster
 
     plan = QUICK if opts.quick else FULL
     machine = c.machine()

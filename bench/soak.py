@@ -109,11 +109,11 @@ def _fitted_growth(points: list[tuple[float, float]]) -> float | None:
 def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
     import jax
 
-    from jaxdist import config
     from jaxdist.cli.generate import default_model
-    from jaxdist.coordinator import Cluster
-    from jaxdist.exporting import load_model
-    from jaxdist.generation import Generator, SamplingParams
+    from jaxdist.coordinator.cluster import Cluster
+    from jaxdist.coordinator.generation import Generator, SamplingParams
+    from jaxdist.core import config
+    from jaxdist.export.plugins import load_model
 
     minutes = 1.0 if opts.quick else opts.minutes
     duration = minutes * 60.0

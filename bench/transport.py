@@ -141,7 +141,7 @@ class RawChain:
 
     def call(self, array: Any) -> Any:
         """Send one tensor through the chain and return what comes back (codec both ways)."""
-        from jaxdist import codec
+        from jaxdist.core import codec
 
         self._send(codec.to_bytes("x", array))
         return codec.from_bytes(self._receive())[1]
@@ -234,7 +234,7 @@ def _identity(params: dict[str, Any], state: dict[str, Any], carry: dict[str, An
 
 
 def _identity_model(n_units: int) -> Any:
-    from jaxdist.model import Model, Unit
+    from jaxdist.export.model import Model, Unit
 
     return Model(f"identity{n_units}", units=[Unit(f"u{i}", _identity) for i in range(n_units)],
                  inputs={"x": ("b, n", "float32")}, buckets=[{"b": 1, "n": 1024}])
@@ -292,7 +292,7 @@ def measure_bandwidth(pipe: Any, chain: RawChain, *, budget_s: float, min_iters:
     """
     import numpy as np
 
-    from jaxdist import codec
+    from jaxdist.core import codec
 
     rng = np.random.default_rng(1)
     records = []
@@ -336,7 +336,7 @@ def measure_bandwidth(pipe: Any, chain: RawChain, *, budget_s: float, min_iters:
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
-    from jaxdist.coordinator import Cluster
+    from jaxdist.coordinator.cluster import Cluster
 
     machine = _common.machine()
     records: list[dict[str, Any]] = []

@@ -40,13 +40,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdist.errors import SpecError
+from jaxdist.core.errors import SpecError
+from jaxdist.core.weights import WeightCache, WeightInfo
+from jaxdist.core.weights.uri import resolve_path
+from jaxdist.export.model import Model, Param, Unit
+from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
 from jaxdist.exporters.tokenizer import load_tokenizer
-from jaxdist.exporting import LoadedModel
-from jaxdist.model import Model, Param, Unit
-from jaxdist.weights import WeightCache, WeightInfo
-from jaxdist.weights.uri import resolve_path
 
 __all__ = ["EXPORTER", "BertConfig", "bert_model"]
 
@@ -254,7 +254,7 @@ def bert_model(path: str | os.PathLike[str], *, roots: Roots, dtype: str = "floa
         normalize: L2-normalise the embedding; default: the sentence-transformers config.
 
     Returns:
-        The :class:`~jaxdist.model.Model`; ``meta`` holds ``config``, ``max_length``,
+        The :class:`~jaxdist.export.model.Model`; ``meta`` holds ``config``, ``max_length``,
         ``buckets`` and ``tokenizer``.
 
     Raises:
@@ -323,7 +323,7 @@ def _param(infos: Mapping[str, WeightInfo], path: str, name: str, shape: tuple[i
 
 @dataclasses.dataclass(frozen=True)
 class _BertExporter:
-    """The ``jaxdist.exporters`` plugin for BERT encoders (see :mod:`jaxdist.exporting`)."""
+    """The ``jaxdist.exporters`` plugin for BERT encoders (see :mod:`jaxdist.export.plugins`)."""
 
     name: str = "bert"
     architectures: frozenset[str] = frozenset({"bert", *_ARCHS})

@@ -3,7 +3,7 @@
 Same step contract and unit names as :mod:`jaxdist.exporters.llama` (``embed``, ``blk.0`` ...
 ``blk.{L-1}``, ``head``; inputs ``tokens``, ``slot``, ``pos``, ``length``, ``temperature``,
 ``top_k``, ``top_p``, ``seed``; output ``token`` and optionally ``logits``), so
-:class:`jaxdist.generation.Generator` drives it unchanged. What differs from Llama:
+:class:`jaxdist.coordinator.generation.Generator` drives it unchanged. What differs from Llama:
 
 * Learned absolute position embeddings (``wpe``), gathered in ``embed`` at ``pos + i``; so
   ``max_seq`` may not exceed the model's ``n_positions``.
@@ -31,17 +31,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jaxdist.core.errors import SpecError
+from jaxdist.core.weights import WeightInfo
+from jaxdist.core.weights.gguf import metadata as gguf_metadata
+from jaxdist.core.weights.uri import resolve_path
+from jaxdist.export.buckets import step_buckets
+from jaxdist.export.model import Model, Param, Unit
+from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
 from jaxdist.exporters.source import Source, WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
-
-from jaxdist.buckets import step_buckets
-from jaxdist.errors import SpecError
-from jaxdist.exporting import LoadedModel
-from jaxdist.model import Model, Param, Unit
-from jaxdist.weights import WeightInfo
-from jaxdist.weights.gguf import metadata as gguf_metadata
-from jaxdist.weights.uri import resolve_path
 
 __all__ = ["EXPORTER", "GPT2Config", "gpt2_model"]
 
@@ -270,7 +270,7 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
         prefill_buckets: prompt lengths compiled ahead of time (``b = 1``), besides decode.
 
     Returns:
-        The :class:`~jaxdist.model.Model`; ``meta`` holds ``config``, ``eos_ids``, ``bos_id``,
+        The :class:`~jaxdist.export.model.Model`; ``meta`` holds ``config``, ``eos_ids``, ``bos_id``,
         ``max_slots``, ``max_seq``, ``prefill_buckets`` and ``tokenizer``.
 
     Raises:
@@ -329,7 +329,7 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
 
 @dataclasses.dataclass(frozen=True)
 class _GPT2Exporter:
-    """The ``jaxdist.exporters`` plugin for GPT-2 (see :mod:`jaxdist.exporting`)."""
+    """The ``jaxdist.exporters`` plugin for GPT-2 (see :mod:`jaxdist.export.plugins`)."""
 
     name: str = "gpt2"
     architectures: frozenset[str] = frozenset({"gpt2", "GPT2LMHeadModel"})

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdist.kernels import ops
+from jaxdist.core.kernels import ops
 
 __all__ = [
     "apply_rope",

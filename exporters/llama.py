@@ -44,16 +44,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxdist.core.errors import SpecError
+from jaxdist.core.kernels import ops
+from jaxdist.core.weights import WeightInfo
+from jaxdist.export.buckets import step_buckets
+from jaxdist.export.model import Model, Unit
+from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
 from jaxdist.exporters.source import WeightTable, open_source
 from jaxdist.exporters.tokenizer import load_tokenizer
-
-from jaxdist.buckets import step_buckets
-from jaxdist.errors import SpecError
-from jaxdist.exporting import LoadedModel
-from jaxdist.kernels import ops
-from jaxdist.model import Model, Unit
-from jaxdist.weights import WeightInfo
 
 __all__ = ["EXPORTER", "LlamaConfig", "llama_model"]
 
@@ -323,11 +323,11 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
         prefill_buckets: prompt lengths compiled ahead of time (``b = 1``), besides decode.
         quantized: keep a GGUF file's quantized (and F16/BF16) matrices as stored, packed,
             multiplied by the CPU kernels or dequantized in the graph on GPU/TPU
-            (:mod:`jaxdist.kernels.ops`); ``False`` dequantizes every weight to ``dtype`` when
+            (:mod:`jaxdist.core.kernels.ops`); ``False`` dequantizes every weight to ``dtype`` when
             bound (6 to 7 times the memory of a 4-bit file).
 
     Returns:
-        The :class:`~jaxdist.model.Model`; ``meta`` holds ``config``, ``eos_ids``, ``bos_id``,
+        The :class:`~jaxdist.export.model.Model`; ``meta`` holds ``config``, ``eos_ids``, ``bos_id``,
         ``max_slots``, ``max_seq``, ``prefill_buckets`` and ``tokenizer``.
 
     Raises:
@@ -398,7 +398,7 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
 
 
 class _LlamaExporter:
-    """The ``jaxdist.exporters`` entry point for Llama-family models (see jaxdist.exporting)."""
+    """The ``jaxdist.exporters`` entry point for Llama-family models (see jaxdist.export.plugins)."""
 
     name = "llama"
     architectures = frozenset({"llama", "qwen2", *_HF_ARCHS})

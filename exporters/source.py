@@ -2,7 +2,7 @@
 
 Shared by the exporters: :func:`open_source` finds the file under the weight roots and reads its
 tensor table and metadata (never the data), from every part of a split GGUF; :class:`WeightTable` turns logical weight names into
-:class:`~jaxdist.model.Param` URIs, checking each tensor's shape against the model config.
+:class:`~jaxdist.export.model.Param` URIs, checking each tensor's shape against the model config.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxdist.errors import SpecError
-from jaxdist.kernels import KERNEL_TYPES
-from jaxdist.model import Param
-from jaxdist.weights import WeightCache, WeightInfo
+from jaxdist.core.errors import SpecError
+from jaxdist.core.kernels import KERNEL_TYPES
+from jaxdist.core.weights import WeightCache, WeightInfo
+from jaxdist.export.model import Param
 
 __all__ = ["Source", "WeightTable", "open_source"]
 

@@ -33,8 +33,8 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from jaxdist.errors import SpecError
-from jaxdist.weights.gguf import metadata as gguf_metadata
+from jaxdist.core.errors import SpecError
+from jaxdist.core.weights.gguf import metadata as gguf_metadata
 
 __all__ = ["PRE_TOKENIZERS", "StreamDecoder", "Tokenizer", "load_tokenizer"]
 

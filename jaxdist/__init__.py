@@ -18,19 +18,19 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["JaxdistError", "SpecError", "CodecError", "WeightError", "DeviceError",
                      "ArtifactError", "TransportError", "SessionError", "LimitError",
-                     "AuthError", "RemoteStageError"], "jaxdist.errors"),
+                     "AuthError", "RemoteStageError"], "jaxdist.core.errors"),
     **dict.fromkeys(["WeightCache", "WeightInfo", "resolve_weight", "resolve_weight_bytes",
-                     "describe_weights"], "jaxdist.weights"),
-    **dict.fromkeys(["DeviceDirective", "parse_directive", "resolve_device"], "jaxdist.devices"),
+                     "describe_weights"], "jaxdist.core.weights"),
+    **dict.fromkeys(["DeviceDirective", "parse_directive", "resolve_device"], "jaxdist.core.devices"),
     **dict.fromkeys(["SPEC_VERSION", "StageSpec", "TensorSig", "StateSig", "WeightRef"],
-                    "jaxdist.spec"),
-    **dict.fromkeys(["Artifact", "export_stage", "load_artifact"], "jaxdist.artifacts"),
-    "LocalRegistry": "jaxdist.registry",
-    "WorkerStage": "jaxdist.stage",
-    **dict.fromkeys(["Model", "Param", "Unit"], "jaxdist.model"),
-    **dict.fromkeys(["Pipeline", "Session"], "jaxdist.pipeline"),
-    "Cluster": "jaxdist.coordinator",
-    "InProcessPipeline": "jaxdist.inprocess",
+                    "jaxdist.core.spec"),
+    **dict.fromkeys(["Artifact", "export_stage", "load_artifact"], "jaxdist.core.artifacts"),
+    "LocalRegistry": "jaxdist.registry.local",
+    "WorkerStage": "jaxdist.core.stage",
+    **dict.fromkeys(["Model", "Param", "Unit"], "jaxdist.export.model"),
+    **dict.fromkeys(["Pipeline", "Session"], "jaxdist.coordinator.pipeline"),
+    "Cluster": "jaxdist.coordinator.cluster",
+    "InProcessPipeline": "jaxdist.coordinator.inprocess",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -51,17 +51,32 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see (the names are in __all__)
     # ruff: noqa: F401
-    from jaxdist.artifacts import Artifact, export_stage, load_artifact
-    from jaxdist.coordinator import Cluster
-    from jaxdist.devices import DeviceDirective, parse_directive, resolve_device
-    from jaxdist.errors import (ArtifactError, AuthError, CodecError, DeviceError,
-                                JaxdistError, LimitError, RemoteStageError, SessionError,
-                                SpecError, TransportError, WeightError)
-    from jaxdist.inprocess import InProcessPipeline
-    from jaxdist.model import Model, Param, Unit
-    from jaxdist.pipeline import Pipeline, Session
-    from jaxdist.registry import LocalRegistry
-    from jaxdist.spec import SPEC_VERSION, StageSpec, StateSig, TensorSig, WeightRef
-    from jaxdist.stage import WorkerStage
-    from jaxdist.weights import (WeightCache, WeightInfo, describe_weights, resolve_weight,
-                                 resolve_weight_bytes)
+    from jaxdist.coordinator.cluster import Cluster
+    from jaxdist.coordinator.inprocess import InProcessPipeline
+    from jaxdist.coordinator.pipeline import Pipeline, Session
+    from jaxdist.core.artifacts import Artifact, export_stage, load_artifact
+    from jaxdist.core.devices import DeviceDirective, parse_directive, resolve_device
+    from jaxdist.core.errors import (
+        ArtifactError,
+        AuthError,
+        CodecError,
+        DeviceError,
+        JaxdistError,
+        LimitError,
+        RemoteStageError,
+        SessionError,
+        SpecError,
+        TransportError,
+        WeightError,
+    )
+    from jaxdist.core.spec import SPEC_VERSION, StageSpec, StateSig, TensorSig, WeightRef
+    from jaxdist.core.stage import WorkerStage
+    from jaxdist.core.weights import (
+        WeightCache,
+        WeightInfo,
+        describe_weights,
+        resolve_weight,
+        resolve_weight_bytes,
+    )
+    from jaxdist.export.model import Model, Param, Unit
+    from jaxdist.registry.local import LocalRegistry

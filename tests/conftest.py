@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxdist.coordinator import Cluster
+from jaxdist.coordinator.cluster import Cluster
 
 D = 32  # width of the test MLP
 

@@ -14,7 +14,7 @@ import functools
 import gguf
 import numpy as np
 
-from jaxdist.kernels.build import find_ggml
+from jaxdist.core.kernels.build import find_ggml
 
 SIMPLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")
 

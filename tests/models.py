@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file
 
-from jaxdist.model import Model, Param, Unit
+from jaxdist.export.model import Model, Param, Unit
 
 D = 32
 

@@ -1,4 +1,4 @@
-"""Tests for jaxdist.artifacts: export_stage, load_artifact and its refusals.
+"""Tests for jaxdist.core.artifacts: export_stage, load_artifact and its refusals.
 
 This machine has no GPU or TPU. Artifacts for cuda/tpu are exported and inspected here (platforms,
 module text, custom calls) but only ever executed on cpu.
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist.artifacts import (
+from jaxdist.core.artifacts import (
     DEFAULT_CUSTOM_CALL_ALLOWLIST,
     MAX_SERIALIZATION_VERSION,
     MIN_SERIALIZATION_VERSION,
@@ -25,7 +25,7 @@ from jaxdist.artifacts import (
     export_stage,
     load_artifact,
 )
-from jaxdist.errors import ArtifactError
+from jaxdist.core.errors import ArtifactError
 
 D = 512
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from jax import export
 
-from jaxdist import kernels
+from jaxdist.core import kernels
+from jaxdist.core.kernels import ops
 from jaxdist.exporters import layers
-from jaxdist.kernels import ops
 
 INFO = kernels.load()
 pytestmark = pytest.mark.skipif(not INFO.available,

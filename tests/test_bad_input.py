@@ -44,20 +44,20 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from jaxdist.worker.servicer import WorkerConfig
 from models import D, accumulator, mlp, mlp_reference
 from safetensors.numpy import save_file
 
-from jaxdist import artifacts, protowire
-from jaxdist.coordinator import Cluster
-from jaxdist.errors import RemoteStageError
-from jaxdist.local import LocalWorker, spawn_workers, stop_workers
-from jaxdist.pipeline import Pipeline
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.pipeline import Pipeline
+from jaxdist.coordinator.spawn import LocalWorker, spawn_workers, stop_workers
+from jaxdist.core import artifacts, protowire
+from jaxdist.core.errors import RemoteStageError
+from jaxdist.core.spec import ShapeBucket, StageSpec, StateSig, TensorSig
+from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.frames import FrameHeader, split_frame
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
-from jaxdist.spec import ShapeBucket, StageSpec, StateSig, TensorSig
-from jaxdist.transport.client import WorkerClient
-from jaxdist.transport.frames import FrameHeader, split_frame
+from jaxdist.worker.servicer import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,10 +15,10 @@ import shutil
 import numpy as np
 import pytest
 
-from jaxdist.errors import SpecError
+from jaxdist.coordinator.inprocess import InProcessPipeline
+from jaxdist.core.errors import SpecError
 from jaxdist.exporters.bert import EXPORTER, BertConfig, bert_model
 from jaxdist.exporters.tokenizer import Tokenizer
-from jaxdist.inprocess import InProcessPipeline
 
 pytestmark = pytest.mark.reference
 

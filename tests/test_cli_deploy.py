@@ -11,13 +11,12 @@ import shutil
 from typing import Any
 
 import pytest
-
-from jaxdist.coordinator import Cluster
-from jaxdist.exporting import load_model
-from jaxdist.generation import Generator, SamplingParams
-from jaxdist.inprocess import InProcessPipeline
-
 from deploy_utils import assert_one_line_error, cli, jaxdist, serve_directory, write_tiny_llama
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.generation import Generator, SamplingParams
+from jaxdist.coordinator.inprocess import InProcessPipeline
+from jaxdist.export.plugins import load_model
 
 PROMPT = [3, 14, 15, 9, 2, 6]
 OPTIONS = {"max_seq": 32, "max_slots": 1, "prefill_buckets": (8,)}

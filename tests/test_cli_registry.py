@@ -6,12 +6,11 @@ import json
 import pathlib
 
 import pytest
-
-from jaxdist.publishing import Published, publish
-from jaxdist.registry import LocalRegistry
-
 from deploy_utils import assert_one_line_error, cli, serve_directory
 from models import mlp
+
+from jaxdist.registry.local import LocalRegistry
+from jaxdist.registry.publish import Published, publish
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import pathlib
 
-from jaxdist.coordinator import Cluster
-from jaxdist.publishing import publish
-
 from deploy_utils import cli
 from models import mlp
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.registry.publish import publish
 
 
 def test_status_table_and_json(cluster3: Cluster, tmp_path: pathlib.Path) -> None:

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jaxdist import codec
-from jaxdist.errors import CodecError, JaxdistError, LimitError
+from jaxdist.core import codec
+from jaxdist.core.errors import CodecError, JaxdistError, LimitError
 from jaxdist.proto import jaxdist_pb2 as pb
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.float64, np.int8, np.int16, np.int32,

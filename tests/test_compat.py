@@ -22,13 +22,13 @@ from jax import export as jexport
 from jax._src.export import serialization_generated as ser_flatbuf
 from jax._src.lib.mlir.dialects import hlo
 
-from jaxdist.coordinator import Cluster
-from jaxdist.errors import ArtifactError
-from jaxdist.manifest import Manifest, open_manifest
-from jaxdist.registry import LocalRegistry
-from jaxdist.stage import WorkerStage
-from jaxdist.vetting import digest_of, load_artifact
-from jaxdist.weights import WeightCache
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.core.errors import ArtifactError
+from jaxdist.core.stage import WorkerStage
+from jaxdist.core.vetting import digest_of, load_artifact
+from jaxdist.core.weights import WeightCache
+from jaxdist.registry.local import LocalRegistry
+from jaxdist.registry.manifest import Manifest, open_manifest
 
 TESTDATA = pathlib.Path(__file__).parent / "testdata"
 GOLDEN = TESTDATA / "golden"

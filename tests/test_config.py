@@ -1,4 +1,4 @@
-"""Tests for the worker's caches across a restart (jaxdist.config and ``--artifact-cache``):
+"""Tests for the worker's caches across a restart (jaxdist.core.config and ``--artifact-cache``):
 the artifact cache keeps uploaded artifacts, and the persistent XLA compilation cache, namespaced
 by jaxlib version and device, makes the second start compile faster."""
 
@@ -9,14 +9,13 @@ from typing import Any
 import jaxlib
 import numpy as np
 import pytest
+from models import mlp, mlp_reference
 from safetensors.numpy import save_file
 
-from jaxdist.config import host_cpu_fingerprint
-from jaxdist.coordinator import Cluster
-from jaxdist.model import Model
-from jaxdist.publishing import publish
-
-from models import mlp, mlp_reference
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.core.config import host_cpu_fingerprint
+from jaxdist.export.model import Model
+from jaxdist.registry.publish import publish
 
 LAYERS = 24
 BUCKETS = [{"b": b} for b in (1, 2, 4, 8, 16, 32, 64, 128)]  # 8 compiles per start

@@ -10,18 +10,17 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 import pytest
-
-import jaxdist.artifacts
-import jaxdist.coordinator
-from jaxdist.coordinator import Cluster
-from jaxdist.errors import ArtifactError, SpecError, WeightError
-from jaxdist.manifest import open_manifest
-from jaxdist.publishing import Published, publish
-from jaxdist.registry import LocalRegistry
-from jaxdist.transport.client import WorkerClient
-
 from deploy_utils import serve_directory
 from models import mlp, mlp_reference
+
+import jaxdist.coordinator.cluster
+import jaxdist.core.artifacts
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.core.errors import ArtifactError, SpecError, WeightError
+from jaxdist.core.transport.client import WorkerClient
+from jaxdist.registry.local import LocalRegistry
+from jaxdist.registry.manifest import open_manifest
+from jaxdist.registry.publish import Published, publish
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def uploads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def _check(pipe: jaxdist.coordinator.Pipeline, root: pathlib.Path) -> None:
+def _check(pipe: jaxdist.coordinator.cluster.Pipeline, root: pathlib.Path) -> None:
     x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
     np.testing.assert_allclose(pipe.call(x=x)["x"], mlp_reference(root, x), rtol=1e-5, atol=1e-5)
 
@@ -79,8 +78,8 @@ def test_deploy_manifest_never_traces(cluster: Cluster, registry: pathlib.Path,
         raise AssertionError("the manifest deploy path traced or exported a stage")
 
     monkeypatch.setattr(jax.export, "export", traced)
-    monkeypatch.setattr(jaxdist.artifacts, "export_stage", traced)
-    monkeypatch.setattr(jaxdist.coordinator, "build_stage_specs", traced)
+    monkeypatch.setattr(jaxdist.core.artifacts, "export_stage", traced)
+    monkeypatch.setattr(jaxdist.coordinator.cluster, "build_stage_specs", traced)
     pipe = cluster.deploy_manifest(pub.location)  # registry found beside the manifest
     try:
         assert [s.artifact_digest for s in pipe.specs] == pub.manifest.digests

@@ -1,4 +1,4 @@
-"""Tests for jaxdist.devices: parsing, resolution on this machine and on faked machines."""
+"""Tests for jaxdist.core.devices: parsing, resolution on this machine and on faked machines."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import pytest
 
-from jaxdist.devices import (
+from jaxdist.core.devices import (
     DeviceDirective,
     available_devices,
     describe_device,
@@ -15,8 +15,7 @@ from jaxdist.devices import (
     parse_directive,
     resolve_device,
 )
-from jaxdist.errors import DeviceError
-
+from jaxdist.core.errors import DeviceError
 
 # --- fakes: only what devices.py reads (platform, id, device_kind, client.platform_version)
 

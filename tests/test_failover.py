@@ -13,16 +13,16 @@ import threading
 
 import numpy as np
 import pytest
-
-from jaxdist.coordinator import Cluster
-from jaxdist.errors import RemoteStageError, TransportError
 from models import mlp, mlp_reference, save_tiny_llama
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.core.errors import RemoteStageError, TransportError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from jaxdist.coordinator.generation import Generator, SamplingParams  # noqa: E402
 from jaxdist.exporters.llama import llama_model  # noqa: E402
-from jaxdist.generation import Generator, SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3], [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180, 7], [42], [100, 101, 102]]
 LENGTHS = [20, 16, 24, 12]
@@ -195,8 +195,8 @@ def test_connect_checks_spares_and_cli_spares_option(mlp_root):
     import argparse
 
     from jaxdist.cli.common import add_cluster_args, open_cluster
-    from jaxdist.errors import JaxdistError
-    from jaxdist.local import spawn_workers, stop_workers
+    from jaxdist.coordinator.spawn import spawn_workers, stop_workers
+    from jaxdist.core.errors import JaxdistError
 
     parser = argparse.ArgumentParser()
     add_cluster_args(parser)

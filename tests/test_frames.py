@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxdist import protowire
-from jaxdist.errors import CodecError
+from jaxdist.core import protowire
+from jaxdist.core.errors import CodecError
+from jaxdist.core.transport import frames
 from jaxdist.proto import jaxdist_pb2 as pb
-from jaxdist.transport import frames
 
 HEADER = frames.FrameHeader("pipe", "sess", 7, 2, request_id=99, reply_to="coord")
 

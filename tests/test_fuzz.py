@@ -26,7 +26,7 @@ random bytes almost never get past a protobuf or flatbuffer's first byte.
 
 **Artifacts.** The embedded StableHLO module is parsed by MLIR's native bytecode reader, and a
 flipped byte *inside* it can abort the process (``malloc(): invalid size``, ``LLVM ERROR``,
-documented in ``jaxdist/vetting.py``; the digest check is what protects a worker). So the
+documented in ``jaxdist/core/vetting.py``; the digest check is what protects a worker). So the
 artifact fuzzer mutates only the flatbuffer around the module (the root table, vtables, the
 module's length prefix, platform and name strings, shardings, avals) and truncates anywhere. It
 runs in a child process, so a native abort fails this test with the offending input instead of
@@ -74,11 +74,10 @@ import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from jaxdist.worker.servicer import WorkerConfig
 from safetensors.numpy import save_file
 
-from jaxdist import codec, protowire
-from jaxdist.errors import (
+from jaxdist.core import codec, protowire
+from jaxdist.core.errors import (
     ArtifactError,
     CodecError,
     JaxdistError,
@@ -86,12 +85,13 @@ from jaxdist.errors import (
     SpecError,
     WeightError,
 )
+from jaxdist.core.spec import StageSpec
+from jaxdist.core.transport import frames
+from jaxdist.core.weights import WeightCache
+from jaxdist.core.weights.gguf import GGUFFile
+from jaxdist.core.weights.safetensors import SafetensorsFile, read_index
 from jaxdist.proto import jaxdist_pb2 as pb
-from jaxdist.spec import StageSpec
-from jaxdist.transport import frames
-from jaxdist.weights import WeightCache
-from jaxdist.weights.gguf import GGUFFile
-from jaxdist.weights.safetensors import SafetensorsFile, read_index
+from jaxdist.worker.servicer import WorkerConfig
 
 WORKER = WorkerConfig()  # the worker's default limits (its CLI cannot change them)
 
@@ -521,7 +521,7 @@ DIGEST = "sha256:" + "ab" * 32
 
 
 def _seed_specs() -> list[bytes]:
-    from jaxdist.spec import ShapeBucket, StateSig, TensorSig, Versions, WeightRef
+    from jaxdist.core.spec import ShapeBucket, StateSig, TensorSig, Versions, WeightRef
 
     base = StageSpec(
         artifact_digest=DIGEST, inputs=(TensorSig("x", "float32", ("b", 32)),),
@@ -634,7 +634,7 @@ def _artifact_seeds() -> list[tuple[bytes, int, int]]:
     import jax.numpy as jnp
     from jax._src.export import serialization_generated as ser_flatbuf
 
-    from jaxdist.artifacts import export_stage
+    from jaxdist.core.artifacts import export_stage
 
     def dense(p: Any, s: Any, x: Any) -> Any:
         return {"y": jnp.tanh(x["x"] @ p["w"])}, {}
@@ -662,7 +662,7 @@ def _artifact_seeds() -> list[tuple[bytes, int, int]]:
 def artifact_campaign(n: int, derandomize: bool, progress: str, seed_value: int | None) -> None:
     """Run the artifact fuzzer (in a child process). Writes each input to ``progress`` before
     vetting it, so a native abort can be traced to its input; prints ``examples=N`` at the end."""
-    from jaxdist.vetting import digest_of, load_artifact
+    from jaxdist.core.vetting import digest_of, load_artifact
 
     seeds = _artifact_seeds()
     runs = [0]
@@ -910,7 +910,7 @@ def test_error_spec_dim_not_ascii_integer(dim: str) -> None:
 @pytest.mark.parametrize("dim, value", [("0", 0), ("32", 32), ("-4", -4), ("9" * 18, int("9" * 18)),
                                         ("b", "b"), ("²", "²")])
 def test_parse_dim(dim: str, value: int | str) -> None:
-    from jaxdist.spec import parse_dim
+    from jaxdist.core.spec import parse_dim
     assert parse_dim(dim) == value and type(parse_dim(dim)) is type(value)
 
 

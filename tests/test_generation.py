@@ -10,11 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxdist.errors import SpecError  # noqa: E402
-from jaxdist.exporters.llama import llama_model  # noqa: E402
-from jaxdist.generation import Generator, SamplingParams  # noqa: E402
-from jaxdist.inprocess import InProcessPipeline  # noqa: E402
 from models import save_tiny_llama  # noqa: E402
+
+from jaxdist.coordinator.generation import Generator, SamplingParams  # noqa: E402
+from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
+from jaxdist.core.errors import SpecError  # noqa: E402
+from jaxdist.exporters.llama import llama_model  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -117,7 +118,7 @@ def test_error_prompt_too_long(tiny):
 
 def test_pipelined_steps_across_real_workers_match_transformers(tiny, tmp_path_factory):
     """depth=2 keeps two steps (disjoint rows of one session) in flight across two workers."""
-    from jaxdist.coordinator import Cluster
+    from jaxdist.coordinator.cluster import Cluster
 
     hf, gen = tiny
     root = pathlib.Path(gen.pipeline.cache.roots[0])

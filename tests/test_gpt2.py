@@ -20,12 +20,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import gguf  # noqa: E402
-
-from jaxdist.errors import SpecError  # noqa: E402
-from jaxdist.exporters.gpt2 import EXPORTER, GPT2Config, gpt2_model  # noqa: E402
-from jaxdist.generation import Generator, SamplingParams  # noqa: E402
-from jaxdist.inprocess import InProcessPipeline  # noqa: E402
 from llm_utils import generate  # noqa: E402
+
+from jaxdist.coordinator.generation import Generator, SamplingParams  # noqa: E402
+from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
+from jaxdist.core.errors import SpecError  # noqa: E402
+from jaxdist.exporters.gpt2 import EXPORTER, GPT2Config, gpt2_model  # noqa: E402
 
 pytestmark = pytest.mark.reference
 

@@ -1,5 +1,6 @@
-"""Imports run one way: a worker loads nothing of the coordinator side, an offline export no
-gRPC, the exporters not the generation loop, and ``import jaxdist`` nothing eagerly.
+"""Imports run one way: each side imports the core and never another side, a worker loads
+nothing but the core, an offline export no gRPC, the exporters not the generation loop, and
+``import jaxdist`` nothing eagerly.
 
 Each check runs in a fresh interpreter, since this test process has imported everything.
 """
@@ -11,11 +12,19 @@ import pathlib
 import subprocess
 import sys
 
-# Modules of the coordinator side and of the registry's client side.
-COORDINATOR_SIDE = ("jaxdist.coordinator", "jaxdist.pipeline", "jaxdist.generation",
-                    "jaxdist.local", "jaxdist.inprocess", "jaxdist.manifest",
-                    "jaxdist.publishing", "jaxdist.urlregistry", "jaxdist.stagebuild",
-                    "jaxdist.exporting", "jaxdist.cli", "jaxdist.exporters")
+# What each unit may import besides itself (docs/design.md has the picture). The CLI may
+# import everything; the proto package is generated code that any unit may use.
+SIDES: dict[str, set[str]] = {
+    "jaxdist.core": set(),
+    "jaxdist.export": {"jaxdist.core"},
+    "jaxdist.exporters": {"jaxdist.core", "jaxdist.export"},
+    "jaxdist.registry": {"jaxdist.core", "jaxdist.export"},
+    "jaxdist.coordinator": {"jaxdist.core", "jaxdist.export", "jaxdist.registry"},
+    "jaxdist.worker": {"jaxdist.core"},
+}
+# Everything a worker process must not load.
+NOT_IN_A_WORKER = ("jaxdist.coordinator", "jaxdist.registry", "jaxdist.export", "jaxdist.cli",
+                   "jaxdist.exporters")
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -36,18 +45,19 @@ def test_import_jaxdist_is_lazy() -> None:
     mods = _modules_after("import jaxdist")
     assert _loaded(mods, ("jaxdist",)) == ["jaxdist"]
     mods = _modules_after("import jaxdist\nassert jaxdist.Cluster.__name__ == 'Cluster'")
-    assert "jaxdist.coordinator" in mods
+    assert "jaxdist.coordinator.cluster" in mods
 
 
 def test_worker_loads_nothing_of_the_coordinator_side() -> None:
     mods = _modules_after("import jaxdist.worker.__main__, jaxdist.worker.server")
-    assert _loaded(mods, COORDINATOR_SIDE) == []
+    assert _loaded(mods, NOT_IN_A_WORKER) == []
+    assert "jaxdist.core.store" in mods  # its artifact cache is the core's store
 
 
 def test_exporters_do_not_import_the_generation_loop_or_grpc() -> None:
     mods = _modules_after("import jaxdist.exporters.llama, jaxdist.exporters.gpt2, "
                           "jaxdist.exporters.bert")
-    assert _loaded(mods, ("jaxdist.generation", "jaxdist.coordinator", "grpc")) == []
+    assert _loaded(mods, ("jaxdist.coordinator", "jaxdist.registry", "grpc")) == []
 
 
 def test_offline_export_into_a_registry_imports_no_grpc(tmp_path: pathlib.Path) -> None:
@@ -56,7 +66,7 @@ def test_offline_export_into_a_registry_imports_no_grpc(tmp_path: pathlib.Path) 
 import numpy as np
 from safetensors.numpy import save_file
 from models import mlp
-from jaxdist.publishing import publish
+from jaxdist.registry.publish import publish
 root = {str(tmp_path)!r}
 rng = np.random.default_rng(0)
 save_file({{f"l{{i}}.w": rng.standard_normal((32, 32)).astype(np.float32) for i in range(4)}},
@@ -66,8 +76,8 @@ pub = publish(mlp(), root + "/registry", stages=2, platforms=("cpu",),
 assert len(pub.manifest.stages) == 2
 """
     mods = _modules_after(code)
-    assert _loaded(mods, ("grpc", "jaxdist.coordinator", "jaxdist.pipeline",
-                          "jaxdist.transport", "jaxdist.local")) == []
+    assert _loaded(mods, ("grpc", "jaxdist.coordinator.cluster", "jaxdist.coordinator.pipeline",
+                          "jaxdist.core.transport", "jaxdist.coordinator.spawn")) == []
     assert (tmp_path / "registry").is_dir()
 
 
@@ -115,6 +125,28 @@ def _imports(path: pathlib.Path, module: str, known: set[str]) -> set[str]:
             if n and n != module:
                 out.add(n)
     return out
+
+
+def _unit_of(module: str) -> str | None:
+    return next((u for u in SIDES if module == u or module.startswith(u + ".")), None)
+
+
+def test_sides_import_only_the_core_and_what_they_build_on() -> None:
+    """Every import statement, lazy and type-only ones included, stays inside the rules of
+    ``SIDES``: no side reaches into another, and the core into none."""
+    mods = _project_modules()
+    known = set(mods)
+    wrong = []
+    for module, path in mods.items():
+        unit = _unit_of(module)
+        if unit is None:  # the facade, the CLI, the generated proto
+            continue
+        for dep in sorted(_imports(path, module, known)):
+            dep_unit = _unit_of(dep)
+            if dep_unit not in (None, unit, *SIDES[unit]) or dep.startswith("jaxdist.cli"):
+                wrong.append(f"{module} imports {dep}")
+    assert not wrong, "imports across sides:\n" + "\n".join(wrong)
+    assert {_unit_of(m) for m in mods} >= set(SIDES)  # the walk saw every unit
 
 
 def test_no_import_circles() -> None:
@@ -172,6 +204,6 @@ rc = main(["export", "--model", {str(tmp_path / "m.gguf")!r}, "--registry",
 assert rc == 0, rc
 """
     mods = _modules_after(code)
-    assert _loaded(mods, ("grpc", "jaxdist.coordinator", "jaxdist.pipeline",
-                          "jaxdist.transport", "jaxdist.local")) == []
+    assert _loaded(mods, ("grpc", "jaxdist.coordinator.cluster", "jaxdist.coordinator.pipeline",
+                          "jaxdist.core.transport", "jaxdist.coordinator.spawn")) == []
     assert list((tmp_path / "registry" / "manifests").glob("*.json"))

@@ -1,4 +1,4 @@
-"""The CPU kernels (jaxdist.kernels) against independent references.
+"""The CPU kernels (jaxdist.core.kernels) against independent references.
 
 Every expected value is ``gguf.quants`` dequantization of the same blocks followed by a numpy
 matmul. The kernels quantize activations as llama.cpp does (Q8_0/Q8_1/Q8_K, or f16/bf16), so
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import pathlib
 
+import ggml_blocks
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import ggml_blocks
-from jaxdist import kernels
-from jaxdist.errors import SpecError
-from jaxdist.kernels import ops
-from jaxdist.weights import WeightCache
+from jaxdist.core import kernels
+from jaxdist.core.errors import SpecError
+from jaxdist.core.kernels import ops
+from jaxdist.core.weights import WeightCache
 
 INFO = kernels.load()
 pytestmark = pytest.mark.skipif(not INFO.available,

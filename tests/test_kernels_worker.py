@@ -14,18 +14,18 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
 import ggml_blocks
-from jaxdist import kernels
-from jaxdist.coordinator import Cluster
-from jaxdist.errors import ArtifactError, SpecError
-from jaxdist.exporters.llama import llama_model
-from jaxdist.generation import Generator, SamplingParams
-from jaxdist.inprocess import InProcessPipeline
-from jaxdist.local import spawn_workers, stop_workers
-from jaxdist.publishing import publish
+import pytest
 from quant_reference import QuantLlama
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.generation import Generator, SamplingParams
+from jaxdist.coordinator.inprocess import InProcessPipeline
+from jaxdist.coordinator.spawn import spawn_workers, stop_workers
+from jaxdist.core import kernels
+from jaxdist.core.errors import ArtifactError, SpecError
+from jaxdist.exporters.llama import llama_model
+from jaxdist.registry.publish import publish
 
 pytestmark = pytest.mark.skipif(not kernels.load().available,
                                 reason=f"CPU kernels unavailable: {kernels.load().reason}")
@@ -155,7 +155,7 @@ def test_worker_without_kernels_gets_its_stage_dequantized(files: pathlib.Path, 
     bare = spawn_workers(1, weights_roots=[str(files)], extra_args=["--no-kernels"])
     try:
         with Cluster.connect([plain[0].address, bare[0].address]) as cluster:
-            with caplog.at_level(logging.WARNING, logger="jaxdist.coordinator"):
+            with caplog.at_level(logging.WARNING, logger="jaxdist.coordinator.cluster"):
                 with cluster.deploy(model, stages=2) as pipe:
                     got = _generate(pipe, model)
                     memory = pipe.stage_memory()
@@ -168,7 +168,7 @@ def test_worker_without_kernels_gets_its_stage_dequantized(files: pathlib.Path, 
     assert set(memory[1]["dequantized_types"]) <= set(KQUANTS.values())
     assert memory[1]["dequantized_types"]
     # The reference: stage 1's units dequantized, in one process.
-    from jaxdist.stagebuild import _unpacked
+    from jaxdist.export.stages import _unpacked
 
     units = list(model.units)
     units[split[0]:] = [_unpacked(u) for u in units[split[0]:]]
@@ -217,7 +217,7 @@ def test_kernel_stages_call_the_attention_kernel_and_dequantized_ones_none(
         files: pathlib.Path) -> None:
     """A stage bound packed calls the matmul and the decode attention kernels (its CPU
     lowering); the same stage bound dequantized (a worker without kernels) calls none."""
-    from jaxdist.stagebuild import build_stage_specs
+    from jaxdist.export.stages import build_stage_specs
 
     model = _model("kq.gguf", files)
     ranges = [range(len(model.units))]

@@ -17,16 +17,16 @@ import time
 import grpc
 import numpy as np
 import pytest
-from jaxdist.worker.sessions import SessionStore
 from models import D, accumulator, mlp, mlp_reference
 
-from jaxdist import artifacts
-from jaxdist.coordinator import Cluster
-from jaxdist.errors import LimitError, RemoteStageError, SessionError
-from jaxdist.local import spawn_workers, stop_workers
-from jaxdist.model import Model, Unit
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.spawn import spawn_workers, stop_workers
+from jaxdist.core import artifacts
+from jaxdist.core.errors import LimitError, RemoteStageError, SessionError
+from jaxdist.export.model import Model, Unit
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
+from jaxdist.worker.sessions import SessionStore
 
 ARTIFACT_LIMIT = 64 << 10
 FRAME_LIMIT = 64 << 10

@@ -22,12 +22,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import gguf  # noqa: E402
+from llm_utils import generate, step_inputs  # noqa: E402
 
-from jaxdist.errors import SpecError  # noqa: E402
+from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
+from jaxdist.core.errors import SpecError  # noqa: E402
 from jaxdist.exporters import layers  # noqa: E402
 from jaxdist.exporters.llama import LlamaConfig, llama_model  # noqa: E402
-from jaxdist.inprocess import InProcessPipeline  # noqa: E402
-from llm_utils import generate, step_inputs  # noqa: E402
 
 pytestmark = pytest.mark.reference
 

@@ -39,11 +39,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxdist.exporters.llama import llama_model
-
-from jaxdist.coordinator import Cluster
-from jaxdist.generation import Generator, SamplingParams
 from models import save_tiny_llama
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.generation import Generator, SamplingParams
+from jaxdist.exporters.llama import llama_model
 
 pytestmark = [pytest.mark.reference, pytest.mark.timeout(240)]
 

@@ -1,4 +1,4 @@
-"""Tests for jaxdist.manifest: the format, the {model} placeholder, finding a manifest."""
+"""Tests for jaxdist.registry.manifest: the format, the {model} placeholder, finding a manifest."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import pathlib
 import jax
 import jaxlib
 import pytest
+from models import mlp
 
 import jaxdist
-from jaxdist.errors import ArtifactError, SpecError
-from jaxdist.manifest import (
+from jaxdist.core.errors import ArtifactError, SpecError
+from jaxdist.core.spec import SPEC_VERSION, ShapeBucket, StageSpec, StateSig, TensorSig, WeightRef
+from jaxdist.registry.manifest import (
     MANIFEST_VERSION,
     PLACEMENT_FIELDS,
     Manifest,
@@ -24,9 +26,7 @@ from jaxdist.manifest import (
     relative_uri,
     resolve_uri,
 )
-from jaxdist.publishing import Published, publish
-from jaxdist.spec import SPEC_VERSION, ShapeBucket, StageSpec, StateSig, TensorSig, WeightRef
-from models import mlp
+from jaxdist.registry.publish import Published, publish
 
 DIGEST = "sha256:" + "ab" * 32
 

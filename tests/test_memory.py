@@ -1,6 +1,6 @@
 """What keeps a worker's memory near its bound weights: weights bound into new aligned arrays
 that the CPU device takes in place, the weight files' pages released as they are read, the
-readers dropped after a bind, and free heap given back (``jaxdist.heap``).
+readers dropped after a bind, and free heap given back (``jaxdist.core.heap``).
 
 RSS is compared within one run (with and without the release), never against fixed numbers.
 """
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxdist.heap import release_free_heap
-from jaxdist.weights import WeightCache
-from jaxdist.weights import cache as cache_module
+from jaxdist.core.heap import release_free_heap
+from jaxdist.core.weights import WeightCache
+from jaxdist.core.weights import cache as cache_module
 
 MB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""jaxdist.partition: the balanced split against a brute-force enumeration of every split."""
+"""jaxdist.export.partition: the balanced split against a brute-force enumeration of every split."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxdist.errors import SpecError
-from jaxdist.partition import balanced_split, explicit_split
+from jaxdist.core.errors import SpecError
+from jaxdist.export.partition import balanced_split, explicit_split
 
 
 def all_splits(n: int, k: int) -> list[list[range]]:

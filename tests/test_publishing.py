@@ -1,4 +1,4 @@
-"""Tests for jaxdist.publishing: export into a registry, and what garbage collection may delete."""
+"""Tests for jaxdist.registry.publish: export into a registry, and what garbage collection may delete."""
 
 from __future__ import annotations
 
@@ -6,15 +6,14 @@ import os
 import pathlib
 
 import pytest
-
-from jaxdist.artifacts import ArtifactMeta, load_artifact
-from jaxdist.errors import ArtifactError, SpecError
-from jaxdist.exporting import load_model
-from jaxdist.publishing import publish, unreferenced
-from jaxdist.registry import LocalRegistry
-
 from deploy_utils import serve_directory, write_tiny_llama
 from models import mlp
+
+from jaxdist.core.artifacts import ArtifactMeta, load_artifact
+from jaxdist.core.errors import ArtifactError, SpecError
+from jaxdist.export.plugins import load_model
+from jaxdist.registry.local import LocalRegistry
+from jaxdist.registry.publish import publish, unreferenced
 
 
 def test_publish_stores_artifacts_meta_and_manifest(tmp_path: pathlib.Path) -> None:

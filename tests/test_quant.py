@@ -1,4 +1,4 @@
-"""jaxdist.quant against the independent reference, gguf.quants (which matches llama.cpp)."""
+"""jaxdist.core.quant against the independent reference, gguf.quants (which matches llama.cpp)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf import quants as ref
 
-from jaxdist import quant
-from jaxdist.errors import JaxdistError, WeightError
+from jaxdist.core import quant
+from jaxdist.core.errors import JaxdistError, WeightError
 
 # Byte offsets of the f16 scale fields inside one block, from llama.cpp's block_* structs. Random
 # bytes elsewhere are valid quants; the scales are overwritten so every value is finite.

@@ -15,15 +15,15 @@ import dataclasses
 import pathlib
 
 import pytest
-
-from jaxdist import kernels
-from jaxdist.coordinator import Cluster
-from jaxdist.exporters.llama import llama_model
-from jaxdist.exporters.tokenizer import load_tokenizer
-from jaxdist.generation import Generator, SamplingParams
-from jaxdist.weights import WeightCache
 from conftest import SMOLLM2_PROMPT
 from quant_reference import QuantLlama
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.generation import Generator, SamplingParams
+from jaxdist.core import kernels
+from jaxdist.core.weights import WeightCache
+from jaxdist.exporters.llama import llama_model
+from jaxdist.exporters.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.skipif(not kernels.load().available,
                                 reason=f"CPU kernels unavailable: {kernels.load().reason}")

@@ -1,4 +1,4 @@
-"""Tests for jaxdist.registry.LocalRegistry."""
+"""Tests for jaxdist.registry.local.LocalRegistry."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxdist.artifacts import digest_of, export_stage, load_artifact
-from jaxdist.errors import ArtifactError
-from jaxdist.registry import (
+from jaxdist.core.artifacts import digest_of, export_stage, load_artifact
+from jaxdist.core.errors import ArtifactError
+from jaxdist.registry.local import (
     ArtifactEntry,
     ArtifactStore,
     LocalRegistry,

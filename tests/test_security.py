@@ -1,4 +1,4 @@
-"""Authentication and TLS (``jaxdist.transport.security``) with real worker processes.
+"""Authentication and TLS (``jaxdist.core.transport.security``) with real worker processes.
 
 A throwaway PKI is made per module: a CA, a certificate for 127.0.0.1/localhost signed by it
 (workers serve with it and present it to their next hops; the coordinator presents it too), and
@@ -23,19 +23,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from deploy_utils import assert_one_line_error, cli
-from jaxdist.worker.__main__ import main as worker_main
 from models import D, mlp, mlp_reference
 
-from jaxdist import artifacts
 from jaxdist.cli import build_parser
-from jaxdist.coordinator import Cluster
-from jaxdist.errors import AuthError, TransportError
-from jaxdist.local import spawn_workers, stop_workers
-from jaxdist.proto import jaxdist_pb2 as pb
-from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
-from jaxdist.transport.client import WorkerClient
-from jaxdist.transport.frames import FrameAssembler, FrameHeader, split_frame
-from jaxdist.transport.security import (
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.spawn import spawn_workers, stop_workers
+from jaxdist.core import artifacts
+from jaxdist.core.errors import AuthError, TransportError
+from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.frames import FrameAssembler, FrameHeader, split_frame
+from jaxdist.core.transport.security import (
     TokenInterceptor,
     client_auth,
     exposure_warning,
@@ -43,6 +40,9 @@ from jaxdist.transport.security import (
     read_token,
     server_auth,
 )
+from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
+from jaxdist.worker.__main__ import main as worker_main
 
 RNG = np.random.default_rng(11)
 TOKEN = "test-token-5f0c2a9e8b7d4c1a"
@@ -169,7 +169,7 @@ def test_token_readable_by_others_is_warned_and_never_logged(
         tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "t").write_text(TOKEN)
     (tmp_path / "t").chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="jaxdist.transport.security"):
+    with caplog.at_level(logging.WARNING, logger="jaxdist.core.transport.security"):
         auth = client_auth(token_file=str(tmp_path / "t"))
     assert "accessible by group or others (mode 0o644)" in caplog.text
     assert "chmod 600" in caplog.text

@@ -1,4 +1,4 @@
-"""jaxdist.spec: the StageSpec wire round trip and validate's refusals.
+"""jaxdist.core.spec: the StageSpec wire round trip and validate's refusals.
 
 Every refusal is a SpecError whose message starts with the offending field
 (``StageSpec.weights[0].sha256``), so each error test asserts that field name.
@@ -13,9 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxdist.errors import JaxdistError, SpecError
-from jaxdist.proto import jaxdist_pb2 as pb
-from jaxdist.spec import (
+from jaxdist.core.errors import JaxdistError, SpecError
+from jaxdist.core.spec import (
     SPEC_VERSION,
     ShapeBucket,
     StageSpec,
@@ -25,6 +24,7 @@ from jaxdist.spec import (
     WeightRef,
     validate,
 )
+from jaxdist.proto import jaxdist_pb2 as pb
 
 DIGEST = "sha256:" + hashlib.sha256(b"artifact").hexdigest()
 SHA = hashlib.sha256(b"tensor").hexdigest()

@@ -1,4 +1,4 @@
-"""jaxdist.stage (WorkerStage) and jaxdist.inprocess: the Foundation parity tests, in one process.
+"""jaxdist.core.stage (WorkerStage) and jaxdist.coordinator.inprocess: the Foundation parity tests, in one process.
 
 Weights are written to real GGUF and safetensors files with the formats' own writers. The
 independent reference is a plain single-process ``jax.jit`` of the same math, fed the arrays that
@@ -21,15 +21,15 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as ref
 from safetensors.numpy import save_file
 
-from jaxdist.artifacts import digest_of
-from jaxdist.stagebuild import BuiltStage, build_stage_specs
-from jaxdist.errors import ArtifactError, DeviceError, SpecError
-from jaxdist.inprocess import InProcessPipeline
-from jaxdist.model import Model, Param, Unit
+from jaxdist.coordinator.inprocess import InProcessPipeline
+from jaxdist.core.artifacts import digest_of
+from jaxdist.core.errors import ArtifactError, DeviceError, SpecError
+from jaxdist.core.spec import StageSpec
+from jaxdist.core.stage import WorkerStage
+from jaxdist.core.weights import WeightCache
+from jaxdist.export.model import Model, Param, Unit
+from jaxdist.export.stages import BuiltStage, build_stage_specs
 from jaxdist.proto import jaxdist_pb2 as pb
-from jaxdist.spec import StageSpec
-from jaxdist.stage import WorkerStage
-from jaxdist.weights import WeightCache
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -16,7 +16,7 @@ from typing import Any
 import gguf
 import pytest
 
-from jaxdist.errors import SpecError
+from jaxdist.core.errors import SpecError
 from jaxdist.exporters.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,4 +1,4 @@
-"""Tests for jaxdist.urlregistry: the registry layout read through fsspec, over file:// and over
+"""Tests for jaxdist.registry.url: the registry layout read through fsspec, over file:// and over
 a real HTTP server (http.server in a thread on 127.0.0.1)."""
 
 from __future__ import annotations
@@ -7,13 +7,12 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
-
-from jaxdist.errors import ArtifactError
-from jaxdist.registry import LocalRegistry, open_registry
-from jaxdist.urlregistry import UrlRegistry, read_url
-from jaxdist.vetting import digest_of
-
 from deploy_utils import serve_directory
+
+from jaxdist.core.errors import ArtifactError
+from jaxdist.core.vetting import digest_of
+from jaxdist.registry.local import LocalRegistry, open_registry
+from jaxdist.registry.url import UrlRegistry, read_url
 
 A, B = b"artifact A " * 50, b"artifact B"
 META = {"platforms": ["cpu"], "inputs": [{"name": "x", "dtype": "float32", "dims": ["b", "4"]}]}

@@ -1,4 +1,4 @@
-"""jaxdist.weights: URIs, roots, GGUF/safetensors/raw readers and the WeightCache.
+"""jaxdist.core.weights: URIs, roots, GGUF/safetensors/raw readers and the WeightCache.
 
 Test files are written with the formats' own writers (gguf.GGUFWriter, safetensors.numpy.save_file)
 and expected values come from the independent references (gguf.quants, safetensors.safe_open).
@@ -26,9 +26,9 @@ from gguf import quants as ref
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxdist import quant
-from jaxdist.errors import JaxdistError, WeightError
-from jaxdist.weights import (
+from jaxdist.core import quant
+from jaxdist.core.errors import JaxdistError, WeightError
+from jaxdist.core.weights import (
     WeightCache,
     WeightInfo,
     WeightURI,
@@ -37,10 +37,10 @@ from jaxdist.weights import (
     resolve_weight,
     resolve_weight_bytes,
 )
-from jaxdist.weights import gguf as wgguf
-from jaxdist.weights.gguf import GGUFFile
-from jaxdist.weights.safetensors import SafetensorsFile
-from jaxdist.weights.uri import resolve_path
+from jaxdist.core.weights import gguf as wgguf
+from jaxdist.core.weights.gguf import GGUFFile
+from jaxdist.core.weights.safetensors import SafetensorsFile
+from jaxdist.core.weights.uri import resolve_path
 
 RNG = np.random.default_rng(0)
 F32 = RNG.standard_normal((4, 64)).astype(np.float32)

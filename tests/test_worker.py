@@ -13,17 +13,21 @@ import time
 
 import numpy as np
 import pytest
-
-from jaxdist import artifacts
-from jaxdist.coordinator import Cluster
-from jaxdist.errors import (ArtifactError, RemoteStageError, SpecError, TransportError,
-                            WeightError)
-from jaxdist.local import spawn_workers, stop_workers
-from jaxdist.model import Model, Param, Unit
-from jaxdist.spec import StageSpec, TensorSig
-from jaxdist.transport.client import WorkerClient
-
 from models import D, accumulator, identity, mlp, mlp_reference
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.spawn import spawn_workers, stop_workers
+from jaxdist.core import artifacts
+from jaxdist.core.errors import (
+    ArtifactError,
+    RemoteStageError,
+    SpecError,
+    TransportError,
+    WeightError,
+)
+from jaxdist.core.spec import StageSpec, TensorSig
+from jaxdist.core.transport.client import WorkerClient
+from jaxdist.export.model import Model, Param, Unit
 
 RNG = np.random.default_rng(7)
 

@@ -13,9 +13,9 @@ import signal
 import sys
 import threading
 
-from jaxdist import codec
-from jaxdist import config as jd_config
-from jaxdist.errors import JaxdistError
+from jaxdist.core import codec
+from jaxdist.core import config as jd_config
+from jaxdist.core.errors import JaxdistError
 
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="mutual TLS: require client certificates signed by this CA; also "
                            "verifies the next hops' certificates")
     kern = p.add_argument_group("CPU kernels", "native kernels for quantized GGUF weights "
-                                "(jaxdist.kernels; built on first start, then cached)")
+                                "(jaxdist.core.kernels; built on first start, then cached)")
     kern.add_argument("--kernel-threads", type=int, default=0, metavar="N",
                       help="threads per kernel call; 0: one per core, the caller included "
                            "(default %(default)s)")
@@ -96,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=opts.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after logging is set up: importing jax is slow and may log.
+    from jaxdist.core.transport import security
     from jaxdist.worker.server import create_server
     from jaxdist.worker.servicer import WorkerConfig
-
-    from jaxdist.transport import security
 
     for flag, value, least in (("--max-sessions", opts.max_sessions, 1),
                                ("--max-tensors-per-frame", opts.max_tensors_per_frame, 1),

@@ -2,7 +2,7 @@
 default bound on session state (KV) bytes.
 
 Every limit is a ``WorkerConfig`` field and a worker flag (see SECURITY.md, "Limits and their
-defaults"); exceeding one raises :class:`~jaxdist.errors.LimitError` (``RESOURCE_EXHAUSTED``)
+defaults"); exceeding one raises :class:`~jaxdist.core.errors.LimitError` (``RESOURCE_EXHAUSTED``)
 with a message naming the flag, its value and what was asked for.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from jaxdist.errors import LimitError
+from jaxdist.core.errors import LimitError
 
 __all__ = ["KV_MEMORY_FRACTION", "FrameBudget", "default_max_kv_bytes"]
 
@@ -41,7 +41,7 @@ def default_max_kv_bytes(device_memory_total: int = 0) -> int:
 class FrameBudget:
     """Counts what one frame on a ``Push`` stream has brought so far against the frame limits.
 
-    The :class:`~jaxdist.transport.frames.FrameAssembler` checks each tensor's declared size and
+    The :class:`~jaxdist.core.transport.frames.FrameAssembler` checks each tensor's declared size and
     the number of distinct tensors; this counts the bytes that arrived for the whole frame, across
     its messages and tensors, and the tensors that began, before the assembler copies anything.
 

@@ -27,14 +27,14 @@ import traceback
 from typing import Any
 
 import numpy as np
-from jaxdist.worker.sessions import SessionStore
 
-from jaxdist.errors import JaxdistError, TransportError
+from jaxdist.core.errors import JaxdistError, TransportError
+from jaxdist.core.stage import WorkerStage
+from jaxdist.core.transport import status, wire
+from jaxdist.core.transport.channel import AsyncFrameSender, make_aio_channel
+from jaxdist.core.transport.frames import FrameHeader, result_events, split_frame
 from jaxdist.proto import jaxdist_pb2 as pb
-from jaxdist.stage import WorkerStage
-from jaxdist.transport import status, wire
-from jaxdist.transport.channel import AsyncFrameSender, make_aio_channel
-from jaxdist.transport.frames import FrameHeader, result_events, split_frame
+from jaxdist.worker.sessions import SessionStore
 
 __all__ = ["HEARTBEAT", "Hub", "PeerPool", "StageRuntime", "remote_error"]
 

@@ -6,7 +6,7 @@ writes the streams to next hops, so a frame crosses a worker without a thread ha
 control calls (``LoadStage``, ``Info``, ...) are plain functions, run in a thread pool, so a
 long compile or weight load never stalls the loop.
 
-Credentials (``jaxdist.transport.security``): with TLS the port is a secure port (mutual TLS when
+Credentials (``jaxdist.core.transport.security``): with TLS the port is a secure port (mutual TLS when
 a CA is given); with a token, an interceptor refuses every call without it before the servicer
 sees the call.
 """
@@ -21,11 +21,10 @@ from concurrent import futures
 
 import grpc
 
-from jaxdist.errors import TransportError
-from jaxdist.transport import wire
-from jaxdist.transport.channel import SERVER_OPTIONS
-from jaxdist.transport.security import ServerAuth
-
+from jaxdist.core.errors import TransportError
+from jaxdist.core.transport import wire
+from jaxdist.core.transport.channel import SERVER_OPTIONS
+from jaxdist.core.transport.security import ServerAuth
 from jaxdist.worker.servicer import WorkerConfig, WorkerServicer
 
 __all__ = ["WorkerServer", "create_server"]

@@ -1,8 +1,8 @@
 """The gRPC servicer of the generic worker. It holds no model code: stages arrive as specs.
 
 Every failure of a call is mapped to a gRPC status in one place, :func:`_failure`, through
-``jaxdist.transport.status``: for unary calls in :func:`_rpc`, which also parses their request
-bytes (see ``jaxdist.transport.wire``), and for a stream whose requests cannot be read.
+``jaxdist.core.transport.status``: for unary calls in :func:`_rpc`, which also parses their request
+bytes (see ``jaxdist.core.transport.wire``), and for a stream whose requests cannot be read.
 Failures of a frame are not call failures: they are reported to the coordinator's subscription
 with the stage, this worker's address and the traceback, and the stream goes on serving the
 next frame.
@@ -25,22 +25,22 @@ import grpc
 import jax
 import jaxlib
 import psutil
+
+import jaxdist
+from jaxdist.core import artifacts, codec, devices, heap, kernels
+from jaxdist.core.errors import ArtifactError, JaxdistError, LimitError, SessionError
+from jaxdist.core.spec import SPEC_VERSION, StageSpec, validate
+from jaxdist.core.stage import WorkerStage
+from jaxdist.core.store import LocalStore
+from jaxdist.core.transport import status, wire
+from jaxdist.core.transport.frames import FrameAssembler, FrameView, header_of
+from jaxdist.core.transport.security import ClientAuth
+from jaxdist.core.weights import WeightCache
+from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 from jaxdist.worker.limits import FrameBudget, default_max_kv_bytes
 from jaxdist.worker.runtime import HEARTBEAT, Hub, PeerPool, StageRuntime, remote_error
 from jaxdist.worker.sessions import SessionStore
-
-import jaxdist
-from jaxdist import artifacts, codec, devices, heap, kernels
-from jaxdist.errors import ArtifactError, JaxdistError, LimitError, SessionError
-from jaxdist.proto import jaxdist_pb2 as pb
-from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
-from jaxdist.registry import LocalRegistry
-from jaxdist.spec import SPEC_VERSION, StageSpec, validate
-from jaxdist.stage import WorkerStage
-from jaxdist.transport import status, wire
-from jaxdist.transport.frames import FrameAssembler, FrameView, header_of
-from jaxdist.transport.security import ClientAuth
-from jaxdist.weights import WeightCache
 
 __all__ = ["WorkerConfig", "WorkerServicer"]
 
@@ -112,7 +112,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.address = address
         self.started = time.monotonic()
         self.cache = WeightCache(config.weights_roots)
-        self.registry = LocalRegistry(config.artifact_cache)
+        self.registry = LocalStore(config.artifact_cache)
         self.hub = Hub()
         self.peers = PeerPool(config.peer_auth.metadata, config.peer_auth.credentials)
         self._all_devices = list(config.devices) if config.devices is not None else None
@@ -318,7 +318,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                    context: grpc.aio.ServicerContext) -> pb.PushAck:
         """Frames into the stages of this worker. Bad frames are reported, not fatal.
 
-        Requests arrive as :class:`FrameView` (see ``jaxdist.transport.wire``). A request that
+        Requests arrive as :class:`FrameView` (see ``jaxdist.core.transport.wire``). A request that
         cannot be read (``frames.parse_frame`` raised) ends the call with its status."""
         try:
             return await self._push(request_iterator, context)
@@ -372,7 +372,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                         ) -> AsyncIterator[pb.Event]:
         """Results, errors and heartbeats of one pipeline, until the coordinator hangs up.
 
-        ``request`` is a ``SubscribeRequest``'s bytes (see ``jaxdist.transport.wire``)."""
+        ``request`` is a ``SubscribeRequest``'s bytes (see ``jaxdist.core.transport.wire``)."""
         try:
             sub = wire.parse_request(pb.SubscribeRequest, request)
         except JaxdistError as exc:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxdist.errors import LimitError, SessionError
+from jaxdist.core.errors import LimitError, SessionError
 
 __all__ = ["Session", "SessionStore"]
 

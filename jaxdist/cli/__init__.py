@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxdist.cli import demo, deploy, export, generate, registry, status
-from jaxdist.errors import JaxdistError
+from jaxdist.core.errors import JaxdistError
 
 __all__ = ["main", "build_parser"]
 

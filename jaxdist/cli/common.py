@@ -12,11 +12,11 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jaxdist.errors import JaxdistError
+from jaxdist.core.errors import JaxdistError
 
 if TYPE_CHECKING:  # gRPC is imported only by the verbs that dial workers
-    from jaxdist.coordinator import Cluster
-    from jaxdist.transport.security import ClientAuth
+    from jaxdist.coordinator.cluster import Cluster
+    from jaxdist.core.transport.security import ClientAuth
 
 __all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "auth_files", "client_auth_of",
            "open_cluster"]
@@ -68,7 +68,7 @@ def auth_files(opts: argparse.Namespace) -> dict[str, Any]:
 
 def client_auth_of(opts: argparse.Namespace) -> ClientAuth:
     """The metadata and channel credentials the credential options ask for."""
-    from jaxdist.transport.security import client_auth  # noqa: PLC0415
+    from jaxdist.core.transport.security import client_auth  # noqa: PLC0415
 
     return client_auth(**auth_files(opts))
 
@@ -94,7 +94,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iterator[Cluster]:
     """Connect to ``--workers``, or spawn ``--local`` workers whose roots hold the model."""
-    from jaxdist.coordinator import Cluster  # noqa: PLC0415
+    from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415
 
     if opts.workers and opts.local:
         raise JaxdistError("give either --workers or --local, not both")

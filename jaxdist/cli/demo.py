@@ -13,7 +13,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxdist.cli.common import ProgressBar, add_auth_args, auth_files
-from jaxdist.model import Model, Param, Unit
+from jaxdist.export.model import Model, Param, Unit
 
 __all__ = ["add_parser"]
 
@@ -48,7 +48,7 @@ def run(opts: argparse.Namespace) -> int:
         ref = np.tanh(ref @ weights[f"l{i}.w"])
     n = opts.local or 2
     print(f"spawning {n} local workers; weights in {root} (only URIs cross the network)")
-    from jaxdist.coordinator import Cluster  # noqa: PLC0415 - gRPC only for this verb
+    from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415 - gRPC only for this verb
 
     with Cluster.local(n, weights_roots=[root], **auth_files(opts)) as cluster:
         pipe = cluster.deploy(model, progress=ProgressBar())

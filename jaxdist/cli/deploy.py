@@ -16,8 +16,8 @@ import time
 from typing import Any
 
 from jaxdist.cli.common import ProgressBar, add_auth_args, client_auth_of
-from jaxdist.errors import JaxdistError, SpecError
-from jaxdist.manifest import open_manifest
+from jaxdist.core.errors import JaxdistError, SpecError
+from jaxdist.registry.manifest import open_manifest
 
 __all__ = ["add_parsers"]
 
@@ -59,7 +59,7 @@ def _addresses(text: str) -> list[str]:
 
 
 def run_deploy(opts: argparse.Namespace) -> int:
-    from jaxdist.coordinator import Cluster  # noqa: PLC0415 - gRPC only for the verbs that dial
+    from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415 - gRPC only for the verbs that dial
 
     manifest, digest, store = open_manifest(opts.manifest, opts.registry)
     t0 = time.perf_counter()
@@ -91,7 +91,7 @@ def run_deploy(opts: argparse.Namespace) -> int:
 
 
 def run_unload(opts: argparse.Namespace) -> int:
-    from jaxdist.transport.client import WorkerClient  # noqa: PLC0415
+    from jaxdist.core.transport.client import WorkerClient  # noqa: PLC0415
 
     auth = client_auth_of(opts)
     unloaded = []

@@ -15,9 +15,9 @@ from typing import Any
 
 from jaxdist.cli.common import ProgressBar, fmt_bytes
 from jaxdist.cli.generate import _locate
-from jaxdist.errors import SpecError
-from jaxdist.exporting import load_model
-from jaxdist.publishing import publish
+from jaxdist.core.errors import SpecError
+from jaxdist.export.plugins import load_model
+from jaxdist.registry.publish import publish
 
 __all__ = ["add_parser", "exporter_options"]
 

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
-from jaxdist.errors import JaxdistError, SpecError
-from jaxdist.exporting import load_model
-from jaxdist.generation import Generator, SamplingParams
-from jaxdist.manifest import open_manifest
+from jaxdist.coordinator.generation import Generator, SamplingParams
+from jaxdist.core.errors import JaxdistError, SpecError
+from jaxdist.export.plugins import load_model
+from jaxdist.registry.manifest import open_manifest
 
 if TYPE_CHECKING:  # gRPC is imported when a verb dials workers (cli.common.open_cluster)
-    from jaxdist.coordinator import Cluster
-    from jaxdist.pipeline import Pipeline
+    from jaxdist.coordinator.cluster import Cluster
+    from jaxdist.coordinator.pipeline import Pipeline
 
 __all__ = ["add_parsers", "default_model"]
 

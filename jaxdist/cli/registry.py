@@ -15,10 +15,10 @@ import sys
 from typing import Any
 
 from jaxdist.cli.common import fmt_bytes
-from jaxdist.errors import ArtifactError, JaxdistError
-from jaxdist.manifest import Manifest
-from jaxdist.publishing import unreferenced
-from jaxdist.registry import Registry, open_registry
+from jaxdist.core.errors import ArtifactError, JaxdistError
+from jaxdist.registry.local import Registry, open_registry
+from jaxdist.registry.manifest import Manifest
+from jaxdist.registry.publish import unreferenced
 
 __all__ = ["add_parser"]
 

@@ -16,7 +16,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from jaxdist.cli.common import add_auth_args, client_auth_of, fmt_bytes
-from jaxdist.errors import JaxdistError
+from jaxdist.core.errors import JaxdistError
 
 __all__ = ["add_parser"]
 
@@ -34,7 +34,7 @@ def run(opts: argparse.Namespace) -> int:
     addresses = [a.strip() for a in opts.workers.split(",") if a.strip()]
     if not addresses:
         raise JaxdistError("status needs --workers HOST:PORT[,HOST:PORT...]")
-    from jaxdist.transport.client import WorkerClient  # noqa: PLC0415 - gRPC only here
+    from jaxdist.core.transport.client import WorkerClient  # noqa: PLC0415 - gRPC only here
 
     auth = client_auth_of(opts)
     replies = []

@@ -64,7 +64,7 @@ def model() -> Any:
     """The golden model as jaxdist units (imported lazily: the tests import this module)."""
     import jax.numpy as jnp
 
-    from jaxdist.model import Model, Param, Unit
+    from jaxdist.export.model import Model, Param, Unit
 
     def dense(params: dict[str, Any], state: dict[str, Any], carry: dict[str, Any]
               ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(HERE / "golden"), help="registry to write")
     opts = parser.parse_args(argv)
-    from jaxdist.publishing import publish
+    from jaxdist.registry.publish import publish
 
     pub = publish(model(), opts.out, split=[1, 2], model_path=WEIGHTS_FILE)
     print(f"wrote {pub.location}")

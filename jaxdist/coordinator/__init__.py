@@ -1,0 +1,7 @@
+"""The coordinator side: a cluster of workers, the pipelines deployed on it, and generation.
+
+:mod:`~jaxdist.coordinator.cluster` (Cluster: dial, place, deploy, spares),
+:mod:`~jaxdist.coordinator.pipeline` (Pipeline, Session, failover),
+:mod:`~jaxdist.coordinator.generation` (Generator), :mod:`~jaxdist.coordinator.spawn` (local
+worker processes) and :mod:`~jaxdist.coordinator.inprocess` (the same pipeline in one process).
+"""

@@ -1,0 +1,474 @@
+"""The coordinator: deploy a model across workers.
+
+:class:`Cluster` holds the workers. :meth:`Cluster.deploy` partitions a model into stages, exports
+each (:func:`jaxdist.export.stages.build_stage_specs`), ships the artifacts and loads the stages, and returns a running
+:class:`~jaxdist.coordinator.pipeline.Pipeline`. :meth:`Cluster.deploy_manifest` does the same from a model
+exported earlier into a registry (:mod:`jaxdist.registry.manifest`), with no tracing. The running side
+(streaming, subscriptions, heartbeats, sessions) lives in :mod:`jaxdist.coordinator.pipeline`; ``Pipeline``
+and ``Session`` are re-exported here.
+
+Example:
+    >>> with Cluster.local(2, weights_roots=[root]) as cluster:      # doctest: +SKIP
+    ...     pipe = cluster.deploy(model)
+    ...     out = pipe.call({"x": x})
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from jaxdist.coordinator.pipeline import Pipeline, Session
+from jaxdist.coordinator.spawn import LocalWorker, spawn_workers, stop_workers
+from jaxdist.core import codec, kernels
+from jaxdist.core.errors import ArtifactError, JaxdistError, SpecError, TransportError
+from jaxdist.core.spec import StageSpec
+from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.security import client_auth
+from jaxdist.export.model import Model
+from jaxdist.export.stages import Progress, build_stage_specs, log_progress, plan_stages
+from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.registry.local import open_registry
+from jaxdist.registry.manifest import Manifest, open_manifest
+
+__all__ = ["Cluster", "Pipeline", "Session", "StageLoad"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageLoad:
+    """How one stage got onto its worker (:meth:`Cluster.stage_loads`)."""
+
+    stage: int
+    address: str
+    digest: str
+    uploaded: bool          # the worker lacked the artifact, so it was uploaded
+    already_loaded: bool    # the worker had this exact stage loaded already
+    bind_s: float           # weights resolved, laid out and put on the device
+    compile_s: float        # every shape bucket compiled (or fetched from the XLA cache)
+    weight_bytes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster
+
+
+class Cluster:
+    """A set of workers a coordinator can deploy to.
+
+    Args:
+        addresses: ``HOST:PORT`` of each worker.
+        timeout: deadline of quick control calls, seconds.
+        heartbeat_timeout: a worker silent for this long is declared frozen or gone.
+        metadata: call metadata sent with every call (e.g. a bearer token).
+        credentials: TLS channel credentials.
+        spares: ``HOST:PORT`` of spare workers. They get no stage at deploy; when a worker of a
+            pipeline dies, :meth:`Pipeline.recover` moves its stages to a spare.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0,
+                 heartbeat_timeout: float = 5.0, metadata: tuple[tuple[str, str], ...] = (),
+                 credentials: grpc.ChannelCredentials | None = None,
+                 spares: Sequence[str] = ()) -> None:
+        if not addresses:
+            raise TransportError("a cluster needs at least one worker address")
+        both = sorted(set(addresses) & set(spares))
+        if both:
+            raise TransportError(f"workers {both} are given both as workers and as spares")
+        self.clients = [WorkerClient(a, timeout=timeout, metadata=metadata,
+                                     credentials=credentials) for a in addresses]
+        self.spare_clients = [WorkerClient(a, timeout=timeout, metadata=metadata,
+                                           credentials=credentials) for a in spares]
+        self._spare_lock = threading.Lock()
+        self.heartbeat_timeout = heartbeat_timeout
+        self._local: list[LocalWorker] = []
+        self._pipelines: list[Pipeline] = []
+        self._loads: dict[str, list[StageLoad]] = {}
+
+    @property
+    def addresses(self) -> list[str]:
+        return [c.address for c in self.clients]
+
+    @property
+    def spares(self) -> list[str]:
+        """Spare workers not yet used by a failover."""
+        return [c.address for c in self.spare_clients]
+
+    @classmethod
+    def connect(cls, addresses: Sequence[str] | str, *, wait: float = 10.0, **kwargs: Any
+                ) -> Cluster:
+        """Connect to running workers; checks each answers ``Info`` within ``wait`` seconds."""
+        if isinstance(addresses, str):
+            addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        cluster = cls(addresses, **kwargs)
+        try:
+            for c in cluster.clients + cluster.spare_clients:
+                c.wait_ready(wait)
+                c.info()
+        except BaseException:
+            cluster.close()
+            raise
+        return cluster
+
+    @classmethod
+    def local(cls, n: int, *, weights_roots: Sequence[str] = (), device: str = "cpu",
+              spares: int = 0, **kwargs: Any) -> Cluster:
+        """Spawn ``n`` worker processes on loopback; they stop when the cluster closes.
+
+        ``spares`` more workers are spawned as spares (see the constructor).
+
+        Extra keyword arguments go to :func:`jaxdist.coordinator.spawn.spawn_workers` (``artifact_cache``,
+        ``compilation_cache``, ``max_sessions``, ``pin_cpus``, ``log_level``, ``env``) or to the
+        constructor (``timeout``, ``heartbeat_timeout``). The workers' ``token_file``,
+        ``tls_cert``, ``tls_key`` and ``tls_ca`` are also the cluster's own credentials.
+        """
+        ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout")
+                                if k in kwargs}
+        auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
+                                                       "tls_ca") if kwargs.get(k)})
+        ctor.update(metadata=auth.metadata, credentials=auth.credentials)
+        workers = spawn_workers(n + spares, weights_roots=[str(r) for r in weights_roots],
+                                device=device, **kwargs)
+        try:
+            cluster = cls([w.address for w in workers[:n]],
+                          spares=[w.address for w in workers[n:]], **ctor)
+        except BaseException:
+            stop_workers(workers)
+            raise
+        cluster._local = workers
+        return cluster
+
+    @property
+    def local_workers(self) -> list[LocalWorker]:
+        return list(self._local)
+
+    def info(self) -> list[pb.InfoReply]:
+        return [c.info() for c in self.clients]
+
+    def deploy(self, model: Model | Manifest, *, stages: int | None = None,
+               split: Sequence[int] | None = None, workers: Sequence[str] | None = None,
+               platforms: Sequence[str] = ("cpu", "cuda", "tpu"), device: str = "auto",
+               capacities: Sequence[float] | None = None,
+               progress: Progress | None = None, **manifest_options: Any) -> Pipeline:
+        """Partition, export, ship and load a model; return a running pipeline.
+
+        Given a :class:`~jaxdist.registry.manifest.Manifest` instead of a model, this is
+        :meth:`deploy_manifest` (no tracing); pass its ``registry`` and ``model_path`` here.
+
+        Args:
+            model: the units and input signature.
+            stages: number of stages (default: one per worker, at most one per unit).
+            split: explicit unit counts per stage, e.g. ``[3, 2]``; overrides ``stages``.
+            workers: addresses to place stages on, in order (default: the cluster's). Stage k
+                lands on ``workers[k % len(workers)]``.
+            platforms: platforms to export for.
+            device: the device directive every stage carries.
+            capacities: relative capacity of each stage's worker for balancing (e.g. memory).
+            progress: ``progress(what, done, total)`` callback.
+
+        Raises:
+            SpecError: impossible split. Typed errors of the workers (WeightError, DeviceError,
+                ArtifactError, ...) name the worker that raised them.
+        """
+        if isinstance(model, Manifest):
+            if stages is not None or split is not None or capacities is not None:
+                raise SpecError(f"manifest of {model.model.name!r} is partitioned already "
+                                f"({len(model.stages)} stages); stages, split and capacities "
+                                f"apply when exporting (jaxdist export --stages)")
+            return self.deploy_manifest(model, workers=workers, device=device,
+                                        progress=progress, **manifest_options)
+        if manifest_options:
+            raise SpecError(f"deploy of a Model takes no {sorted(manifest_options)}; those "
+                            f"options are for a Manifest")
+        progress = progress or log_progress
+        order = self._order(workers)
+        ranges = plan_stages(model, stages=stages or min(len(order), len(model.units)),
+                             split=split, capacities=capacities)
+        unpack = self._check_placement(model, ranges, order)
+        built = build_stage_specs(model, ranges, platforms=platforms, progress=progress,
+                                  unpack=unpack)
+        by_digest = {b.artifact.digest: b.artifact.data for b in built}
+        pipeline_id = f"{model.name or 'model'}-{uuid.uuid4().hex[:8]}"
+        return self._ship(pipeline_id, [b.spec for b in built], order, device,
+                          by_digest.__getitem__, progress, model=model)
+
+    def deploy_manifest(self, manifest: Manifest | str, *, registry: Any = None,
+                        model_path: str | None = None, workers: Sequence[str] | None = None,
+                        device: str = "auto", progress: Progress | None = None) -> Pipeline:
+        """Deploy an exported model from its manifest and registry; nothing is traced.
+
+        Digest first: each artifact is fetched from the registry (and checked) and uploaded
+        only to workers that lack it, so a warm worker costs one ``HasArtifact`` per stage.
+
+        Args:
+            manifest: a :class:`~jaxdist.registry.manifest.Manifest`, or a reference
+                :func:`~jaxdist.registry.manifest.open_manifest` understands (path, URL, or a name or
+                digest in ``registry``).
+            registry: where the artifacts are: a registry object, a directory or a URL.
+                Default: the registry the manifest was read from.
+            model_path: where the workers hold the model (relative to a weights root, or
+                absolute); substitutes ``{model}`` in the weight URIs. Default: the path the
+                manifest recorded at export.
+            workers: addresses to place stages on, in order; stage k lands on
+                ``workers[k % len(workers)]``.
+            device: the device directive every stage carries.
+            progress: ``progress(what, done, total)`` callback.
+
+        Returns:
+            The running :class:`~jaxdist.coordinator.pipeline.Pipeline`; its stages stay loaded until it is
+            closed with ``unload=True`` (``Cluster.close`` leaves them loaded).
+
+        Raises:
+            SpecError: malformed manifest, or a model path it cannot take.
+            ArtifactError: an artifact is missing from the registry or corrupt there, or a
+                worker refuses it (version window, platform, custom call).
+
+        Example:
+            >>> pipe = cluster.deploy_manifest(  # doctest: +SKIP
+            ...     "reg/manifests/mlp-ab12...json", model_path="models/mlp.safetensors")
+        """
+        progress = progress or log_progress
+        store = open_registry(registry) if isinstance(registry, (str, os.PathLike)) else registry
+        if not isinstance(manifest, Manifest):
+            manifest, _, found = open_manifest(str(manifest), store)
+            store = store or found
+        specs = manifest.stage_specs(model_path)
+        fetched: dict[str, bytes] = {}
+        fetch_lock = threading.Lock()
+
+        def fetch(digest: str) -> bytes:
+            if store is None:
+                raise ArtifactError(
+                    f"artifact {digest} is not on the worker, and no registry was given to fetch "
+                    f"it from; pass registry= (--registry DIR|URL)")
+            with fetch_lock:  # one fetch per digest, however many workers need it
+                if digest not in fetched:
+                    fetched[digest] = store.get(digest)
+                return fetched[digest]
+
+        name = manifest.model.name or "model"
+        pipeline_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        return self._ship(pipeline_id, specs, self._order(workers), device, fetch, progress)
+
+    def attach(self, pipeline_id: str, manifest: Manifest | None = None,
+               model_path: str | None = None) -> Pipeline:
+        """A :class:`Pipeline` for stages already loaded on the workers (e.g. by ``jaxdist
+        deploy``), found through ``Info``. With a manifest, the stages' digests are checked
+        against it and the pipeline carries its specs.
+
+        Raises:
+            SpecError: the pipeline is not loaded, has missing stages, or runs other artifacts
+                than the manifest's.
+        """
+        found: dict[int, tuple[WorkerClient, str]] = {}
+        for c in self.clients:
+            for st in c.info().stages:
+                if st.pipeline_id == pipeline_id:
+                    found[st.stage_index] = (c, st.artifact_digest)
+        if not found:
+            raise SpecError(f"pipeline {pipeline_id!r} is not loaded on any of "
+                            f"{self.addresses} (jaxdist status lists what is)")
+        n = max(found) + 1
+        missing = [k for k in range(n) if k not in found]
+        if missing or (manifest is not None and len(manifest.stages) != n):
+            raise SpecError(f"pipeline {pipeline_id!r}: stages {missing or list(range(n))} are "
+                            f"loaded on {self.addresses}, which does not make a whole pipeline"
+                            + (f" of the manifest's {len(manifest.stages)}" if manifest else ""))
+        specs: list[StageSpec] = []
+        if manifest is not None:
+            for k, spec in enumerate(manifest.stage_specs(model_path)):
+                if spec.artifact_digest != found[k][1]:
+                    raise SpecError(f"pipeline {pipeline_id!r} stage {k} runs "
+                                    f"{found[k][1][:19]}.., the manifest says "
+                                    f"{spec.artifact_digest[:19]}..")
+                specs.append(spec.replace(stage_id=f"{pipeline_id}/{k}"))
+        pipe = Pipeline(self, pipeline_id, specs, [found[k][0] for k in range(n)],
+                        heartbeat_timeout=self.heartbeat_timeout)
+        self._pipelines.append(pipe)
+        return pipe
+
+    def _check_placement(self, model: Model, ranges: Sequence[range], order: Sequence[str]
+                         ) -> list[bool]:
+        """Per stage: whether its packed weights must be bound dequantized, because its CPU
+        worker advertises no kernels (logged). Refuses bfloat16/float16 weights on a CPU
+        worker, which would run several times slower than float32.
+
+        Raises:
+            SpecError: a half-precision stage placed on a CPU worker.
+        """
+        infos = {a: c.info() for a, c in ((a, self._client(a)) for a in dict.fromkeys(order))}
+        unpack = []
+        for k, rng in enumerate(ranges):
+            address = order[k % len(order)]
+            info = infos[address]
+            platform = info.default_device.partition(":")[0]
+            params = [p for i in rng for p in model.units[i].params.values()]
+            if platform != "cpu":
+                unpack.append(False)
+                continue
+            slow = sorted({p.dtype for p in params if not p.packed
+                           and codec.canonical_dtype(p.dtype) in ("bfloat16", "float16")})
+            if slow:
+                raise SpecError(
+                    f"stage {k} of {model.name!r} binds {'/'.join(slow)} weights on CPU worker "
+                    f"{address}: XLA:CPU has no fast half-precision matmul, so it would run "
+                    f"several times slower than float32. Use dtype float32 (the default); a "
+                    f"quantized GGUF keeps its blocks as stored either way")
+            missing = sorted(kernels.OWN_TARGETS - set(info.kernels.targets))
+            packed = [p for p in params if p.packed]
+            if packed and missing:
+                log.warning("worker %s advertises no CPU kernels (%s): stage %d binds its %d "
+                            "quantized weights dequantized to float32",
+                            address, info.kernels.unavailable_reason or "other ABI", k,
+                            len(packed))
+            unpack.append(bool(packed and missing))
+        return unpack
+
+    def _client(self, address: str) -> WorkerClient:
+        return next(c for c in self.clients if c.address == address)
+
+    def _order(self, workers: Sequence[str] | None) -> list[str]:
+        order = list(workers) if workers else self.addresses
+        unknown = [a for a in order if a not in self.addresses]
+        if unknown:
+            raise TransportError(f"workers {unknown} are not in this cluster ({self.addresses})")
+        return order
+
+    def _ship(self, pipeline_id: str, built: Sequence[StageSpec], order: Sequence[str],
+              device: str, fetch: Callable[[str], bytes], progress: Progress, *,
+              model: Model | None = None) -> Pipeline:
+        """Place specs, load every stage (see :meth:`load_stages`), start the pipeline."""
+        clients = {c.address: c for c in self.clients}
+        placed = [clients[order[k % len(order)]] for k in range(len(built))]
+        specs = [spec.replace(device=device, stage_id=f"{pipeline_id}/{k}")
+                 for k, spec in enumerate(built)]
+        specs = self.load_stages(pipeline_id, specs, placed, fetch, progress)
+        pipe = Pipeline(self, pipeline_id, specs, placed,
+                        heartbeat_timeout=self.heartbeat_timeout, model=model, fetch=fetch)
+        self._pipelines.append(pipe)
+        return pipe
+
+    def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
+                    placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
+                    progress: Progress | None = None) -> list[StageSpec]:
+        """Load stage k on ``placed[k]``, linked to the next stage's worker; all in parallel.
+
+        Digest first: an artifact is fetched and uploaded only to a worker that lacks it. When
+        one stage fails, the stages loaded by this call are unloaded again.
+
+        Returns:
+            The specs as loaded (their ``next_hop`` set).
+
+        Raises:
+            ArtifactError: the worker refused an artifact, or it is missing and ``fetch`` is
+                ``None``. Other typed errors of the workers name the worker.
+        """
+        progress = progress or log_progress
+        specs = [spec.replace(next_hop=placed[k + 1].address if k + 1 < len(specs) else "")
+                 for k, spec in enumerate(specs)]
+        done = itertools.count(1)
+        total = len(specs)
+        lock = threading.Lock()
+
+        def ship(k: int) -> StageLoad:
+            client, digest = placed[k], specs[k].artifact_digest
+            uploaded = not client.has_artifact(digest)
+            if uploaded:
+                if fetch is None:
+                    raise ArtifactError(f"stage {k}: artifact {digest} is not on worker "
+                                        f"{client.address}, and this pipeline has no artifact "
+                                        f"source to upload it from (attach with a registry)")
+                client.upload_artifact(digest, fetch(digest))
+            try:
+                reply = client.load_stage(specs[k], pipeline_id)
+            except ArtifactError as exc:  # name the exporting versions beside the worker's
+                v = specs[k].versions
+                raise ArtifactError(f"{exc} [stage {k} was exported with jax {v.jax}, jaxlib "
+                                    f"{v.jaxlib}, StableHLO {v.stablehlo}]", code=exc.code
+                                    ) from None
+            with lock:
+                progress(f"stage {k} loaded on {client.address} "
+                         f"({reply.weight_bytes / 1e6:.1f} MB, compile {reply.compile_s:.1f}s)",
+                         next(done), total)
+            return StageLoad(k, client.address, digest, uploaded, reply.already_loaded,
+                             reply.bind_s, reply.compile_s, reply.weight_bytes)
+
+        progress("shipping stages", 0, total)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, total)) as pool:
+            futures = [pool.submit(ship, k) for k in range(total)]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            for k in range(total):
+                if errors[k] is None:
+                    try:
+                        placed[k].unload_stage(specs[k].stage_id)
+                    except JaxdistError:
+                        pass
+            raise first
+        self._loads[pipeline_id] = [f.result() for f in futures]
+        return specs
+
+    def answers(self, client: WorkerClient, timeout: float) -> bool:
+        """Whether a worker answers ``Info`` within ``timeout`` seconds."""
+        try:
+            client.info(timeout=timeout)
+            return True
+        except JaxdistError:
+            return False
+
+    def take_spare(self, failed: str, timeout: float = 5.0) -> WorkerClient:
+        """Put the first spare that answers in place of the worker ``failed``.
+
+        Raises:
+            TransportError: no spare left that answers.
+        """
+        with self._spare_lock:
+            tried = []
+            while self.spare_clients:
+                spare = self.spare_clients.pop(0)
+                if self.answers(spare, timeout):
+                    self.clients = [spare if c.address == failed else c for c in self.clients]
+                    return spare
+                tried.append(spare.address)
+                spare.close()
+            raise TransportError(
+                f"worker {failed} is dead and no spare worker is left to take its stages"
+                + (f" (spares {tried} did not answer)" if tried else
+                   " (give the cluster spares=[...] to fail over)"))
+
+    def stage_loads(self, pipeline_id: str) -> list[StageLoad]:
+        """How each stage of a pipeline this cluster deployed was loaded (upload, bind, compile).
+
+        Raises:
+            SpecError: this cluster did not deploy ``pipeline_id``.
+        """
+        if pipeline_id not in self._loads:
+            raise SpecError(f"pipeline {pipeline_id!r} was not deployed by this cluster")
+        return list(self._loads[pipeline_id])
+
+    def close(self) -> None:
+        for p in self._pipelines:
+            p.close(unload=False)
+        self._pipelines.clear()
+        for c in self.clients + self.spare_clients:
+            c.close()
+        if self._local:
+            stop_workers(self._local)
+            self._local = []
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,483 @@
+"""A deployed, running pipeline: stream inputs to its stages and collect their outputs.
+
+A :class:`Pipeline` is made by :meth:`jaxdist.coordinator.cluster.Cluster.deploy`. It only dials out. It
+streams frames to stage 0 over one long-lived ``Push`` stream and holds one ``Subscribe`` stream
+per worker of the pipeline. Results come straight from the last stage on its subscription; an
+error in any stage comes from that stage's worker on its own subscription, with the stage index,
+the address and the remote traceback. Heartbeats on every subscription tell a frozen worker from a
+slow one, and a broken subscription names a dead worker within seconds. A :class:`Session` runs
+consecutive steps of one sequence whose state stays on the workers.
+
+When a worker dies, :meth:`Pipeline.recover` moves its stages to one of the cluster's spare
+workers and reconnects; the session state is gone, and the caller replays its steps (the
+generation engine does, see :mod:`jaxdist.coordinator.generation`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Self
+
+import grpc
+import numpy as np
+
+from jaxdist.core.errors import JaxdistError, LimitError, RemoteStageError, TransportError
+from jaxdist.core.spec import StageSpec
+from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.frames import FrameAssembler, FrameHeader, split_frame
+from jaxdist.export.model import Model
+
+__all__ = ["Failover", "Pipeline", "Placement", "Session"]
+
+log = logging.getLogger(__name__)
+
+
+class Placement(Protocol):
+    """What a pipeline needs of the cluster that placed it, to fail over to a spare worker.
+
+    :class:`jaxdist.coordinator.cluster.Cluster` implements it; the pipeline depends on this interface
+    only, so imports run one way (coordinator -> pipeline).
+    """
+
+    spare_clients: list[WorkerClient]
+
+    def answers(self, client: WorkerClient, timeout: float) -> bool:
+        """Whether a worker answers within ``timeout`` seconds."""
+        ...
+
+    def take_spare(self, failed: str, timeout: float = 5.0) -> WorkerClient:
+        """A spare that answers, put in place of the worker ``failed``."""
+        ...
+
+    def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
+                    placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
+                    progress: Callable[[str, int, int], None] | None = None
+                    ) -> list[StageSpec]:
+        """Load stage k on ``placed[k]``, linked to the next one; returns the loaded specs."""
+        ...
+
+
+@dataclass(frozen=True)
+class Failover:
+    """One worker replaced by :meth:`Pipeline.recover`.
+
+    Attributes:
+        stages: the stages that moved.
+        failed: the worker that stopped answering.
+        spare: the spare worker that took its stages.
+        seconds: how long the whole recovery took (probe, reload, reconnect).
+    """
+
+    stages: tuple[int, ...]
+    failed: str
+    spare: str
+    seconds: float
+
+
+@dataclass
+class _Pending:
+    future: concurrent.futures.Future[dict[str, np.ndarray]]
+    session_id: str
+    step: int
+
+
+class Pipeline:
+    """A deployed model: submit inputs, get outputs. Thread-safe.
+
+    Created by :meth:`Cluster.deploy`. For stateful models use :meth:`session`.
+    """
+
+    def __init__(self, cluster: Placement, pipeline_id: str, specs: Sequence[StageSpec],
+                 clients: Sequence[WorkerClient], *, heartbeat_timeout: float = 5.0,
+                 model: Model | None = None, fetch: Callable[[str], bytes] | None = None) -> None:
+        self.cluster = cluster
+        self.pipeline_id = pipeline_id
+        self.model = model
+        self.reply_to = uuid.uuid4().hex
+        self.heartbeat_timeout = heartbeat_timeout
+        self.failovers: list[Failover] = []
+        self._fetch = fetch
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._recover_lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._recovering = False
+        self._epoch = 0
+        self._connect(specs, clients)
+        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _connect(self, specs: Sequence[StageSpec], clients: Sequence[WorkerClient]) -> None:
+        """Open the subscriptions and the input stream to the workers holding the stages."""
+        self.specs = list(specs)
+        self.clients = list(clients)
+        self._broken: JaxdistError | None = None
+        self._stage_of: dict[str, list[int]] = {}
+        for k, c in enumerate(self.clients):
+            self._stage_of.setdefault(c.address, []).append(k)
+        self._unique = list({c.address: c for c in self.clients}.values())
+        self._last_seen = {c.address: time.monotonic() for c in self._unique}
+        self._subs: list[Any] = []
+        epoch = self._epoch
+        # Set by a subscription's first event: the worker sends it once the subscription is
+        # registered, so a result published after that has somewhere to go.
+        self._subscribed = {c.address: threading.Event() for c in self._unique}
+        for c in self._unique:
+            call = c.subscribe(self.pipeline_id, self.reply_to)
+            self._subs.append(call)
+            threading.Thread(target=self._listen, args=(c.address, call, epoch),
+                             name=f"sub-{c.address}", daemon=True).start()
+        deadline = time.monotonic() + max(self.heartbeat_timeout, 10.0)
+        for address, subscribed in self._subscribed.items():
+            if not subscribed.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("worker %s has not confirmed the result subscription of pipeline "
+                            "%s; the heartbeat watchdog takes over", address, self.pipeline_id)
+        first = self.clients[0].address
+        self._sender = self.clients[0].sender(
+            on_error=lambda e: self._fail_worker(first, str(e), epoch))
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def _listen(self, address: str, call: Any, epoch: int) -> None:
+        subscribed = self._subscribed[address]
+        try:
+            self._receive(address, call, epoch, subscribed)
+        finally:  # a subscription that failed at once must not hold up _connect
+            subscribed.set()
+
+    def _receive(self, address: str, call: Any, epoch: int, subscribed: threading.Event
+                 ) -> None:
+        asm = FrameAssembler()
+        try:
+            for view in call:  # frames.EventView (see jaxdist.core.transport.wire)
+                if epoch != self._epoch:
+                    return  # a failover replaced this subscription
+                self._last_seen[address] = time.monotonic()
+                subscribed.set()
+                if view.result is not None:
+                    done = asm.add(view.result)
+                    if done is not None:
+                        header, tensors = done
+                        self._resolve(header.request_id, tensors)
+                    continue
+                event = view.msg
+                if event.WhichOneof("kind") == "error":
+                    e = event.error
+                    hop = self._unreachable_hop(e.stage, e.code)
+                    if hop is not None:
+                        # Stage k could not reach stage k+1: that worker is down. Mark the
+                        # pipeline broken before the step's future fails, so whoever wakes
+                        # on it sees a broken pipeline and fails over (never the reverse).
+                        self._fail_worker(hop, f"stage {e.stage} at {e.address or address} "
+                                               f"could not reach it: {e.message}", epoch)
+                        continue  # the step failed with the pipeline's error, naming the hop
+                    self._reject(event.request_id, RemoteStageError(
+                        e.message, stage=e.stage, address=e.address or address,
+                        remote_type=e.type, remote_traceback=e.traceback, code=e.code or None))
+        except grpc.RpcError as exc:
+            self._fail_worker(address, f"{exc.code().name}: {exc.details()}", epoch)
+            return
+        except LimitError as exc:  # a result larger than this coordinator assembles
+            self._fail_worker(address, f"sent a result over the coordinator's limit: {exc}",
+                              epoch)
+            return
+        except JaxdistError as exc:  # a malformed result frame
+            self._fail_worker(address, f"sent a malformed result: {exc}", epoch)
+            return
+        self._fail_worker(address, "closed its event stream", epoch)
+
+    def _unreachable_hop(self, stage: int, code: str) -> str | None:
+        """The address of stage ``stage + 1`` when stage ``stage`` reports it unreachable."""
+        if code != "UNAVAILABLE" or not 0 <= stage < len(self.clients) - 1:
+            return None
+        return self.clients[stage + 1].address
+
+    def _resolve(self, request_id: int, tensors: dict[str, np.ndarray]) -> None:
+        with self._lock:
+            pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending.future.set_result(tensors)
+
+    def _reject(self, request_id: int, error: JaxdistError) -> None:
+        with self._lock:
+            pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending.future.set_exception(error)
+        else:
+            log.warning("error for unknown request %d: %s", request_id, error)
+
+    def _fail_worker(self, address: str, reason: str, epoch: int | None = None) -> None:
+        if self._closed or (epoch is not None and epoch != self._epoch):
+            return  # closing, or a stream a failover has replaced
+        stages = self._stage_of.get(address, [])
+        stage = stages[0] if stages else -1
+        error = RemoteStageError(f"worker died or became unreachable: {reason}",
+                                 stage=stage, address=address, remote_type="TransportError")
+        with self._lock:
+            if self._broken is None:
+                self._broken = error
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(error)
+
+    def _watch(self) -> None:
+        while not self._closed:
+            time.sleep(0.25)
+            now = time.monotonic()
+            if self._recovering:
+                continue  # recover() replaces the streams and their clocks
+            epoch = self._epoch
+            for address, seen in list(self._last_seen.items()):
+                if now - seen > self.heartbeat_timeout and self._broken is None:
+                    self._fail_worker(address, f"no heartbeat for {now - seen:.1f}s (frozen, "
+                                               f"overloaded or partitioned)", epoch)
+
+    # -- failover ---------------------------------------------------------------------------
+
+    def recover(self) -> list[Failover]:
+        """Replace the pipeline's dead workers with the cluster's spares and load it again.
+
+        Every worker of the pipeline is probed with ``Info`` (deadline: the heartbeat timeout,
+        at most 5 s). The stages of each worker that does not answer move to a spare worker
+        (:class:`~jaxdist.coordinator.cluster.Cluster` ``spares=``); the artifact is uploaded there when
+        the spare lacks it. The stages on the workers that answered are loaded again too: the
+        next hop of the stage before a moved one changes, and their session state is lost with
+        the rest of the pipeline's anyway. With a warm worker that is a bind and a
+        compilation-cache hit per stage. When every worker answers (a dropped connection, not a
+        dead worker), the stages are reloaded where they are.
+
+        Session state (KV caches) does not survive a failover: the caller replays its steps on
+        a new session. :class:`~jaxdist.coordinator.generation.Generator` does that by itself.
+
+        Steps still in flight fail with the error that broke the pipeline. Do not submit while
+        this runs: :meth:`submit` refuses until it returns.
+
+        Returns:
+            One :class:`Failover` per replaced worker (empty when none was dead).
+
+        Raises:
+            TransportError: a dead worker and no spare left that answers.
+            JaxdistError: a stage failed to load on its new worker (the pipeline stays broken).
+        """
+        with self._recover_lock:
+            if self._closed:
+                raise TransportError(f"pipeline {self.pipeline_id} is closed")
+            if len(self.specs) != len(self.clients):
+                raise TransportError(f"pipeline {self.pipeline_id} was attached without its "
+                                     f"manifest, so its stage specs are unknown here and it "
+                                     f"cannot fail over (Cluster.attach(..., manifest=...))")
+            t0 = time.monotonic()
+            cause = self._broken or TransportError(
+                f"pipeline {self.pipeline_id} is failing over; the step was lost")
+            self._recovering = True
+            self._epoch += 1  # the old streams' errors are no longer news
+            try:
+                self._sender.close(cancel=True)
+                for call in self._subs:
+                    call.cancel()
+                with self._lock:
+                    pending = list(self._pending.values())
+                    self._pending.clear()
+                for p in pending:
+                    if not p.future.done():
+                        p.future.set_exception(cause)
+                probe = min(self.heartbeat_timeout, 5.0)
+                dead = [c.address for c in self._unique if not self.cluster.answers(c, probe)]
+                moved = {a: self.cluster.take_spare(a, probe) for a in dead}
+                clients = [moved.get(c.address, c) for c in self.clients]
+                for c in self._unique:
+                    if c.address not in moved:
+                        try:
+                            c.unload_stage(self.pipeline_id)
+                        except JaxdistError as exc:
+                            log.warning("failover: could not unload %s from %s: %s",
+                                        self.pipeline_id, c.address, exc)
+                specs = self.cluster.load_stages(self.pipeline_id, self.specs, clients,
+                                                 self._fetch)
+                self._connect(specs, clients)
+            except BaseException as exc:
+                self._broken = exc if isinstance(exc, JaxdistError) else cause
+                raise
+            finally:
+                self._recovering = False
+            seconds = time.monotonic() - t0
+            done = [Failover(tuple(k for k, c in enumerate(self.clients)
+                                   if c.address == spare.address), a, spare.address, seconds)
+                    for a, spare in moved.items()]
+            for f in done:
+                log.warning("pipeline %s: stages %s moved from %s to spare %s in %.1fs",
+                            self.pipeline_id, list(f.stages), f.failed, f.spare, seconds)
+            self.failovers.extend(done)
+            return done
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, Any], *, session_id: str = "", step: int = 0
+               ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+        """Send one step; the future resolves to the last stage's outputs (numpy arrays).
+
+        Raises:
+            RemoteStageError: the pipeline already lost a worker.
+        """
+        if self._closed:
+            raise TransportError(f"pipeline {self.pipeline_id} is closed")
+        if self._recovering:
+            raise TransportError(f"pipeline {self.pipeline_id} is failing over to a spare "
+                                 f"worker; submit again once recover() has returned")
+        if self._broken is not None:
+            raise self._broken
+        future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()
+        request_id = next(self._ids)
+        with self._lock:
+            self._pending[request_id] = _Pending(future, session_id, step)
+        header = FrameHeader(self.pipeline_id, session_id, step, 0, request_id, self.reply_to)
+        try:
+            with self._send_lock:
+                for msg in split_frame(header, inputs):
+                    self._sender.send(msg, timeout=self.heartbeat_timeout * 4)
+        except JaxdistError as exc:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            if isinstance(exc, TransportError):
+                self._fail_worker(self.clients[0].address, str(exc))
+                raise self._broken or exc from None
+            raise
+        return future
+
+    def call(self, inputs: Mapping[str, Any] | None = None, *, session_id: str = "",
+             step: int = 0, timeout: float | None = None, **kw_inputs: Any
+             ) -> dict[str, np.ndarray]:
+        """Run one step and wait for the outputs.
+
+        A call without a session holds no state on the workers, so when a worker dies under it
+        and the cluster has spare workers, the pipeline fails over (:meth:`recover`, logged) and
+        the call runs again, once. A call in a session raises: its state is gone, and only the
+        caller can replay it.
+        """
+        data = dict(inputs or {}, **kw_inputs)
+        epoch = self._epoch
+        try:
+            return self.submit(data, session_id=session_id, step=step).result(timeout)
+        except RemoteStageError:
+            if session_id or self._broken is None or not self.cluster.spare_clients:
+                raise
+            self._recover_once(epoch)
+        return self.submit(data).result(timeout)
+
+    def _recover_once(self, epoch: int) -> None:
+        """:meth:`recover`, unless another thread already did since ``epoch``."""
+        with self._recover_lock:
+            if self._epoch != epoch and self._broken is None:
+                return
+            self.recover()
+
+    __call__ = call
+
+    def stream(self, batches: Iterable[Mapping[str, Any]], *, depth: int = 4
+               ) -> Iterator[dict[str, np.ndarray]]:
+        """Run microbatches with up to ``depth`` in flight (pipelined); yield outputs in order."""
+        window: list[concurrent.futures.Future[dict[str, np.ndarray]]] = []
+        for batch in batches:
+            window.append(self.submit(batch))
+            if len(window) >= depth:
+                yield window.pop(0).result()
+        for f in window:
+            yield f.result()
+
+    def session(self, session_id: str | None = None) -> Session:
+        """A stateful session: its state stays on the workers until it is closed."""
+        return Session(self, session_id or uuid.uuid4().hex)
+
+    def end_session(self, session_id: str) -> int:
+        """Free a session's state on every worker. Returns the bytes freed."""
+        freed = 0
+        for c in self._unique:
+            try:
+                freed += c.end_session(self.pipeline_id, session_id).freed_bytes
+            except JaxdistError as exc:
+                log.warning("could not end session %s on %s: %s", session_id, c.address, exc)
+        return freed
+
+    def stage_memory(self) -> list[dict[str, Any]]:
+        """What each stage binds on its worker, from ``Info``: one dict per stage with
+        ``stage``, ``address``, ``weight_bytes`` (on the device), ``packed_bytes`` (of those,
+        GGML blocks bound as stored) and ``dequantized_types``."""
+        found: dict[int, dict[str, Any]] = {}
+        for c in self._unique:
+            for st in c.info().stages:
+                if st.pipeline_id == self.pipeline_id:
+                    found[st.stage_index] = {
+                        "stage": st.stage_index, "address": c.address,
+                        "weight_bytes": st.weight_bytes, "packed_bytes": st.packed_bytes,
+                        "dequantized_types": list(st.dequantized_types)}
+        return [found[k] for k in sorted(found)]
+
+    @property
+    def broken(self) -> JaxdistError | None:
+        return self._broken
+
+    def close(self, *, unload: bool = True) -> None:
+        """Stop streaming; with ``unload``, also unload the stages from the workers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sender.close(cancel=self._broken is not None)
+        for call in self._subs:
+            call.cancel()
+        if unload and self._broken is None:
+            for c in self._unique:
+                try:
+                    c.unload_stage(self.pipeline_id)
+                except JaxdistError as exc:
+                    log.warning("could not unload %s from %s: %s", self.pipeline_id, c.address, exc)
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for p in pending:
+            p.future.set_exception(TransportError(f"pipeline {self.pipeline_id} was closed"))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session:
+    """Consecutive steps of one sequence; its state (KV cache) stays on the workers."""
+
+    def __init__(self, pipeline: Pipeline, session_id: str) -> None:
+        self.pipeline = pipeline
+        self.session_id = session_id
+        self.step = 0
+
+    def submit(self, inputs: Mapping[str, Any]) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+        future = self.pipeline.submit(inputs, session_id=self.session_id, step=self.step)
+        self.step += 1
+        return future
+
+    def __call__(self, inputs: Mapping[str, Any] | None = None, **kw: Any) -> dict[str, np.ndarray]:
+        return self.submit(dict(inputs or {}, **kw)).result()
+
+    def close(self) -> None:
+        if self.step:
+            self.pipeline.end_session(self.session_id)
+        self.step = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

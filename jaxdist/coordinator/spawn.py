@@ -1,0 +1,169 @@
+"""Spawn worker processes on loopback: the embedded default for demos, tests and benchmarks.
+
+Each worker is a real ``python -m jaxdist.worker`` process listening on ``127.0.0.1:0``; we read
+the address from the one line it prints when ready. Teardown sends SIGTERM (the worker drains
+and exits 0) and SIGKILLs a worker that does not exit in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jaxdist.core.errors import TransportError
+from jaxdist.core.transport.security import server_auth
+
+__all__ = ["LocalWorker", "spawn_workers", "stop_workers"]
+
+log = logging.getLogger(__name__)
+
+_READY = re.compile(r"^jaxdist-worker listening on (\S+) device=(\S+)$")
+
+
+@dataclass
+class LocalWorker:
+    """A worker subprocess and where it listens."""
+
+    process: subprocess.Popen[str]
+    address: str
+    device: str
+    log_path: str
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def _start(args: list[str], env: dict[str, str], log_path: str,
+           cpu: int | None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "jaxdist.worker", *args]
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    logf = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed with it
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL,
+                            text=True, env=env, start_new_session=True)
+
+
+def _wait_ready(proc: subprocess.Popen[str], log_path: str, timeout: float) -> tuple[str, str]:
+    sel = selectors.DefaultSelector()
+    assert proc.stdout is not None  # we created the pipe ourselves
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=0.2):
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = _READY.match(line.strip())
+        if m:
+            return m.group(1), m.group(2)
+    proc.kill()
+    with open(log_path) as f:
+        tail = "".join(f.readlines()[-15:])
+    raise TransportError(f"local worker (pid {proc.pid}) did not become ready within {timeout}s; "
+                         f"its log ({log_path}) ends with:\n{tail}")
+
+
+def spawn_workers(n: int, *, weights_roots: Sequence[str] = (), device: str = "cpu",
+                  artifact_cache: str | None = None, compilation_cache: str | None = None,
+                  max_sessions: int = 64, pin_cpus: Sequence[int] | None = None,
+                  extra_args: Sequence[str] = (), log_level: str = "WARNING",
+                  env: dict[str, str] | None = None, timeout: float = 120.0,
+                  token_file: str | None = None, tls_cert: str | None = None,
+                  tls_key: str | None = None, tls_ca: str | None = None) -> list[LocalWorker]:
+    """Start ``n`` workers in parallel and wait until each is listening.
+
+    Args:
+        n: number of workers.
+        weights_roots: passed as ``--weights-root`` to every worker.
+        device: device directive of every worker.
+        artifact_cache: shared artifact cache dir (default: a fresh temporary dir per call).
+        compilation_cache: persistent XLA cache dir, or ``None`` for the worker default.
+        max_sessions: ``--max-sessions``.
+        pin_cpus: pin worker i to core ``pin_cpus[i]`` with ``taskset``.
+        extra_args: more worker arguments.
+        log_level: worker log level.
+        env: extra environment variables.
+        timeout: seconds to wait for each worker.
+        token_file: ``--token-file`` of every worker (calls must carry this bearer token).
+        tls_cert: ``--tls-cert`` of every worker (serve TLS with this certificate).
+        tls_key: ``--tls-key``, the key of ``tls_cert``.
+        tls_ca: ``--tls-ca`` (mutual TLS: clients must present a certificate signed by it).
+
+    Raises:
+        TransportError: a worker did not start; the message holds the end of its log.
+        AuthError: the token or TLS files are unusable (checked here, before any worker starts,
+            so the error is the worker's own message).
+    """
+    if n < 1:
+        raise TransportError(f"need at least one local worker, asked for {n}")
+    server_auth(token_file=token_file, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
+    logdir = tempfile.mkdtemp(prefix="jaxdist-workers-")
+    cache = artifact_cache or os.path.join(logdir, "artifacts")
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    started = []
+    try:
+        for i in range(n):
+            args = ["--listen", "127.0.0.1:0", "--device", device, "--artifact-cache", cache,
+                    "--max-sessions", str(max_sessions), "--log-level", log_level]
+            for root in weights_roots:
+                args += ["--weights-root", str(root)]
+            if compilation_cache is not None:
+                args += ["--compilation-cache", str(compilation_cache)]
+            for flag, path in (("--token-file", token_file), ("--tls-cert", tls_cert),
+                               ("--tls-key", tls_key), ("--tls-ca", tls_ca)):
+                if path is not None:
+                    args += [flag, os.fspath(path)]
+            args += list(extra_args)
+            log_path = os.path.join(logdir, f"worker-{i}.log")
+            cpu = pin_cpus[i] if pin_cpus is not None else None
+            started.append((_start(args, full_env, log_path, cpu), log_path))
+        workers = []
+        for proc, log_path in started:
+            address, dev = _wait_ready(proc, log_path, timeout)
+            workers.append(LocalWorker(proc, address, dev, log_path))
+            log.info("local worker pid %d on %s (%s)", proc.pid, address, dev)
+        return workers
+    except BaseException:
+        for proc, _ in started:
+            if proc.poll() is None:
+                proc.kill()
+        raise
+
+
+def stop_workers(workers: Sequence[LocalWorker], timeout: float = 20.0) -> None:
+    """SIGTERM every worker, wait, SIGKILL stragglers."""
+    for w in workers:
+        if w.alive():
+            try:
+                w.process.send_signal(signal.SIGTERM)
+                # A SIGSTOP'ed worker (fault tests) cannot act on SIGTERM until continued.
+                w.process.send_signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        try:
+            w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("worker pid %d did not exit after SIGTERM; killing it", w.pid)
+            w.process.kill()
+            w.process.wait()
+        if w.process.stdout is not None:
+            w.process.stdout.close()

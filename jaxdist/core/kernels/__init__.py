@@ -1,0 +1,187 @@
+"""Native CPU kernels for quantized weights: what a worker (or a single process) registers.
+
+The kernels multiply f32 activations by GGUF weight blocks as the file stores them, so a
+quantized model stays quantized in memory and decode reads the narrow bytes. They are XLA FFI
+handlers (``ggml_matmul.cc``, built on first use by :mod:`jaxdist.core.kernels.build`) under the
+versioned target name :data:`TARGET`; exported stages reach them through
+``lax.platform_dependent`` (:mod:`jaxdist.core.kernels.ops`), so the same artifact also runs on
+GPU/TPU workers, which dequantize in the graph instead. A third handler (``attention.cc``,
+:data:`ATTENTION_TARGET`) attends a decode step over the slot KV cache reading only the
+positions in use; quantized stages call it too.
+
+:func:`load` builds, loads and registers the library once per process and returns a
+:class:`KernelInfo`. It never raises: a library that cannot be had (no compiler, no
+``libggml-python`` wheel, a CPU without AVX2) gives ``KernelInfo.available == False`` with the
+reason, the worker says so at start-up and advertises no kernels, and the coordinator then binds
+that worker's weights dequantized.
+
+Why ggml's kernels and not our own: ggml's CPU dot products (``ggml_get_type_traits_cpu``) are
+llama.cpp's, cover every GGML type with hand-tuned AVX2 code, and quantize activations exactly as
+llama.cpp does, so a jaxdist worker computes what llama.cpp computes. The handler around them is
+about 300 lines; the trust placed in the prebuilt wheel is the trust placed in any binary wheel
+(numpy, jaxlib). See docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from jaxdist.core.errors import ArtifactError
+from jaxdist.core.kernels.build import KernelBuildError, build, find_ggml
+
+__all__ = ["ABI_VERSION", "ATTENTION_TARGET", "DEQUANTIZE_TARGET", "DEQUANTIZE_V1_TARGET",
+           "KERNEL_TYPES", "MATMUL_V1_TARGET", "OWN_TARGETS", "TARGET", "KernelBuildError", "KernelInfo", "load",
+           "loaded", "require"]
+
+log = logging.getLogger(__name__)
+
+ABI_VERSION = 1
+TARGET = "jaxdist_ggml_matmul_v2"
+"""The custom call target of the quantized matmul (with a mask of the rows to compute); a new
+ABI gets a new name, never a change."""
+MATMUL_V1_TARGET = "jaxdist_ggml_matmul_v1"
+"""The matmul without the row mask: still registered for artifacts exported with it."""
+DEQUANTIZE_TARGET = "jaxdist_ggml_dequantize_v2"
+"""GGML blocks to float32 on the CPU (the many-rows path of the matmul), after the activations
+it is for are computed (they are an operand, for ordering only)."""
+DEQUANTIZE_V1_TARGET = "jaxdist_ggml_dequantize_v1"
+"""The same without the ordering operand: still registered for artifacts exported with it."""
+ATTENTION_TARGET = "jaxdist_cache_attention_v1"
+"""Attention of a decode step over the slot KV cache, reading only the positions in use."""
+
+OWN_TARGETS: frozenset[str] = frozenset({TARGET, MATMUL_V1_TARGET, DEQUANTIZE_TARGET,
+                                         DEQUANTIZE_V1_TARGET, ATTENTION_TARGET})
+"""Every custom call target of jaxdist's own kernels, in every ABI version it knows."""
+
+KERNEL_TYPES: tuple[str, ...] = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
+                                 "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+"""GGML types with a kernel; other quantized types are dequantized when bound."""
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """What this process has of the CPU kernels.
+
+    Attributes:
+        available: the handler is registered with XLA in this process.
+        version: ``"<abi>+ggml-<libggml version>"`` when available, else ``""``.
+        types: the GGML types with a kernel (empty when unavailable).
+        targets: custom call targets registered (empty when unavailable).
+        threads: threads per call (0: one per core, the caller included).
+        reason: why the kernels are unavailable ("" when they are).
+    """
+
+    available: bool
+    version: str = ""
+    types: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
+    threads: int = 0
+    reason: str = ""
+
+
+_lock = threading.Lock()
+_info: KernelInfo | None = None
+_lib: ctypes.CDLL | None = None
+
+
+def _register(threads: int) -> KernelInfo:
+    global _lib
+    import jax  # noqa: PLC0415
+
+    ggml = find_ggml()
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelBuildError(f"cannot load the CPU kernels {path}: {exc}") from exc
+    abi = lib.jaxdist_kernels_abi_version()
+    if abi != ABI_VERSION:
+        raise KernelBuildError(f"{path} has kernel ABI {abi}, expected {ABI_VERSION}; delete it "
+                               f"to rebuild")
+    err = ctypes.create_string_buffer(256)
+    if lib.jaxdist_kernels_init(err, len(err)) != 0:
+        raise KernelBuildError(err.value.decode())
+    lib.jaxdist_kernels_set_threads(ctypes.c_int(threads))
+    lib.jaxdist_kernels_types.restype = ctypes.c_char_p
+    types = tuple(t.upper() for t in lib.jaxdist_kernels_types().decode().split(","))
+    if types != KERNEL_TYPES:
+        raise KernelBuildError(f"{path} has kernels for {types}, expected {KERNEL_TYPES}")
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV2),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_V1_TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV1),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(DEQUANTIZE_TARGET,
+                                jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV2), platform="cpu")
+    jax.ffi.register_ffi_target(DEQUANTIZE_V1_TARGET,
+                                jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV1), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxdistCacheAttentionV1),
+                                platform="cpu")
+    _lib = lib
+    return KernelInfo(True, f"{ABI_VERSION}+ggml-{ggml.version}", types,
+                      tuple(sorted(OWN_TARGETS)), threads)
+
+
+def load(*, threads: int = 0, enabled: bool = True) -> KernelInfo:
+    """Build (first time), load and register the CPU kernels in this process; idempotent.
+
+    Args:
+        threads: threads per kernel call (0: one per core, the caller included).
+            Changing it on a later call takes effect for later calls.
+        enabled: ``False`` registers nothing and reports the kernels unavailable (the worker's
+            ``--no-kernels``).
+
+    Returns:
+        What the process has; ``available`` is ``False`` with a ``reason`` when the kernels
+        cannot be had here (never raises for that).
+    """
+    global _info
+    with _lock:
+        if not enabled:
+            if _info is None or not _info.available:
+                _info = KernelInfo(False, reason="disabled (--no-kernels)")
+            return _info
+        if _info is not None and _info.available:
+            if threads != _info.threads and _lib is not None:
+                _lib.jaxdist_kernels_set_threads(ctypes.c_int(threads))
+                _info = KernelInfo(True, _info.version, _info.types, _info.targets, threads)
+            return _info
+        try:
+            _info = _register(threads)
+        except KernelBuildError as exc:
+            log.warning("jaxdist CPU kernels unavailable: %s", exc)
+            _info = KernelInfo(False, reason=str(exc))
+        return _info
+
+
+def loaded() -> KernelInfo:
+    """What :func:`load` registered so far (unavailable, reason "not loaded", before any)."""
+    return _info if _info is not None else KernelInfo(False, reason="not loaded")
+
+
+def require(targets: Collection[str], platform: str, *, where: str, worker: str = "") -> None:
+    """Check that this process can run the jaxdist kernels among an artifact's custom calls.
+
+    Only the CPU lowering calls them; other platforms dequantize in the graph.
+
+    Raises:
+        ArtifactError: a kernel the artifact needs is not registered here, naming the kernel,
+            the worker and why it has none. Raised at LoadStage, never at the first frame.
+    """
+    needed = sorted(set(targets) & OWN_TARGETS)
+    if not needed or platform != "cpu":
+        return
+    info = loaded()
+    missing = [t for t in needed if t not in info.targets]
+    if missing:
+        on = f"worker {worker}" if worker else "this process"
+        raise ArtifactError(
+            f"{where} calls the CPU kernel{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}, which {on} does not have "
+            f"({info.reason or 'another kernel ABI'}). Start the worker with the kernels "
+            f"(jaxdist-worker without --no-kernels, on a machine with a C++ compiler and the "
+            f"libggml-python wheel), or deploy onto it with quantized weights dequantized "
+            f"(Cluster.deploy does that by itself for workers that advertise no kernels)")

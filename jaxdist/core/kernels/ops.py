@@ -1,0 +1,220 @@
+"""Quantized weights inside a stage's graph: the ops an exporter's units call.
+
+A GGUF tensor bound as stored reaches a unit as a :class:`QTensor`: the raw uint8 blocks, their
+GGML type, and the logical matrix the unit means. Units multiply with :func:`linear` and look up
+rows with :func:`take_rows`; both also take plain arrays, so one unit serves float and
+quantized weights alike.
+
+:func:`quant_matmul` is where portability is decided. It lowers to
+``lax.platform_dependent(cpu=<the kernel>, default=<dequantize + dot>)``: the serialized stage
+holds both branches, XLA:CPU keeps only the custom call (:data:`jaxdist.core.kernels.TARGET`), and
+XLA:GPU/TPU fuse the dequantization into their dot. On the CPU, products of many rows (a
+prefill) are faster as dequantize-then-dot; :data:`KERNEL_MAX_ROWS` is that crossover, as
+measured in bench/NOTES.md ("CPU kernels"), and the choice is a ``lax.cond`` on the static
+row count that each compiled shape bucket folds away.
+
+:func:`cache_attention` does the same for a decode step's attention over the slot KV cache: the
+CPU branch calls :data:`jaxdist.core.kernels.ATTENTION_TARGET`, which reads only the cache positions
+in use, and the default branch is the exporter's own jnp form. It runs only while a stage is
+exported for the kernels (:func:`exporting_for_kernels`, which the coordinator enters for a
+stage with packed weights), so a stage without quantized weights carries no custom call and
+runs on any worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType
+from jax import lax
+
+from jaxdist.core.errors import SpecError
+from jaxdist.core.kernels import ATTENTION_TARGET, DEQUANTIZE_TARGET, KERNEL_TYPES, TARGET
+from jaxdist.core.quant import block_layout, dequantize_rows
+
+__all__ = ["ATTENTION_MAX_QUERIES", "KERNEL_MAX_ROWS", "QTensor", "cache_attention",
+           "exporting_for_kernels", "linear", "quant_matmul", "take_rows"]
+
+Array = Any
+
+KERNEL_MAX_ROWS = 64
+"""On the CPU, products with more rows than this dequantize (ggml) and then run XLA's dot."""
+
+ATTENTION_MAX_QUERIES = 8
+"""On the CPU, steps of more tokens per row than this (prefill) attend with XLA's dots."""
+
+_for_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_for_kernels",
+                                                                    default=False)
+
+
+@contextlib.contextmanager
+def exporting_for_kernels(enabled: bool = True) -> Iterator[None]:
+    """While tracing inside this, :func:`cache_attention` lowers to the CPU kernel.
+
+    The choice is made when a function is traced: a ``jax.jit`` function traced before (and
+    cached by jax) keeps the lowering it was traced with.
+    """
+    token = _for_kernels.set(enabled)
+    try:
+        yield
+    finally:
+        _for_kernels.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A matrix held as GGML blocks, as a unit sees it.
+
+    Attributes:
+        blocks: uint8 ``(rows, row_bytes)``, the stored rows (GGUF's ``ne1`` rows of ``ne0``).
+        qtype: the GGML type name, e.g. ``"Q4_K"``.
+        transposed: the unit means the transpose of the stored matrix: a projection weight
+            stored ``(out, in)`` and used as ``x @ W`` with ``W`` ``(in, out)``.
+    """
+
+    blocks: Array
+    qtype: str
+    transposed: bool = False
+
+    @property
+    def stored_shape(self) -> tuple[int, int]:
+        """The stored matrix's element shape ``(rows, cols)``."""
+        elems, nbytes = block_layout(self.qtype)
+        rows, row_bytes = self.blocks.shape
+        return rows, int(row_bytes) // nbytes * elems
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        r, c = self.stored_shape
+        return (c, r) if self.transposed else (r, c)
+
+    @property
+    def T(self) -> QTensor:  # noqa: N802 - mirrors ndarray.T
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def dequantize(self) -> Array:
+        """The logical matrix in float32 (in-graph; materializes it)."""
+        w = dequantize_rows(self.blocks, self.qtype, xp=jnp)
+        return w.T if self.transposed else w
+
+
+def _kernel(x2: Array, blocks: Array, qtype: str, rows: Array) -> Array:
+    """The kernel; ``rows`` (M,) int32, zero for a row of x to skip (its result is zeros)."""
+    n = blocks.shape[0]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, blocks, rows, ggml_type=np.int32(GGMLQuantizationType[qtype].value))
+
+
+def _dot_t(x2: Array, w: Array) -> Array:
+    """``x2 @ w.T`` for ``w`` (N, K)."""
+    return lax.dot_general(x2, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dequantize_dot(x2: Array, blocks: Array, qtype: str) -> Array:
+    """The portable branch: dequantize in the graph (XLA:GPU/TPU fuse it into the dot)."""
+    return _dot_t(x2, dequantize_rows(blocks, qtype, xp=jnp))
+
+
+def _kernel_dequantize_dot(x2: Array, blocks: Array, qtype: str) -> Array:
+    """The CPU's many-rows branch: ggml dequantizes (SIMD), XLA's f32 dot multiplies."""
+    n, k = blocks.shape[0], x2.shape[1]
+    # Dequantizing depends only on the weights, so XLA would schedule every layer's at the
+    # start of the stage and hold them all in float32 at once (213 MB for a SmolLM2 prefill of
+    # 128 tokens; an optimization_barrier does not survive XLA:CPU). x as an operand makes each
+    # wait for its own input, so the float32 matrices' buffers are reused: one at a time.
+    call = jax.ffi.ffi_call(DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((n, k), jnp.float32))
+    return _dot_t(x2, call(x2, blocks, ggml_type=np.int32(GGMLQuantizationType[qtype].value)))
+
+
+def quant_matmul(x: Array, blocks: Array, qtype: str, rows: Array | None = None) -> Array:
+    """``x @ W.T`` for ``W`` stored as GGML blocks ``(N, row_bytes)``: ``(..., K) -> (..., N)``.
+
+    float32 in and out. The CPU lowering calls the kernel; every other platform dequantizes
+    in the graph. ``rows`` (``x.shape[:-1]``, bool or int) may mark the rows of ``x`` that
+    matter: the kernel skips the others (padding of a prefill chunk, idle batch slots), whose
+    results are then zeros on the CPU and computed as usual elsewhere, so a caller must
+    ignore them.
+
+    Raises:
+        SpecError: ``qtype`` has no kernel, or ``x``'s last dim is not the stored row length.
+    """
+    if qtype not in KERNEL_TYPES:
+        raise SpecError(f"quant_matmul: GGML type {qtype!r} has no kernel; expected one of "
+                        f"{', '.join(KERNEL_TYPES)} (bind other types dequantized)")
+    elems, nbytes = block_layout(qtype)
+    k = int(blocks.shape[1]) // nbytes * elems
+    if int(x.shape[-1]) != k:
+        raise SpecError(f"quant_matmul: x has {x.shape[-1]} features, the {qtype} weight rows "
+                        f"hold {k}")
+    lead = x.shape[:-1]
+    x2 = x.astype(jnp.float32).reshape((-1, k))
+    r = (jnp.ones((x2.shape[0],), jnp.int32) if rows is None
+         else jnp.asarray(rows).astype(jnp.int32).reshape((-1,)))
+
+    def cpu(x2: Array, blocks: Array, r: Array) -> Array:
+        many = jnp.asarray(x2.shape[0]) > KERNEL_MAX_ROWS  # a constant once a bucket compiles
+        return lax.cond(many, lambda a, b, _: _kernel_dequantize_dot(a, b, qtype),
+                        lambda a, b, m: _kernel(a, b, qtype, m), x2, blocks, r)
+
+    y = lax.platform_dependent(x2, blocks, r, cpu=cpu,
+                               default=lambda a, b, _: _dequantize_dot(a, b, qtype))
+    return y.reshape((*lead, blocks.shape[0]))
+
+
+def linear(x: Array, w: Array | QTensor, rows: Array | None = None) -> Array:
+    """``x @ w`` for a plain array or a :class:`QTensor` (float32 result for a QTensor).
+
+    ``rows`` (``x.shape[:-1]``): the rows that matter; the CPU kernel skips the others (see
+    :func:`quant_matmul`). Ignored for plain arrays.
+    """
+    if not isinstance(w, QTensor):
+        return x @ w
+    if w.transposed:
+        return quant_matmul(x, w.blocks, w.qtype, rows)
+    # Stored (in, out): no kernel layout, so dequantize (rare: exporters bind (out, in)).
+    return x.astype(jnp.float32) @ w.dequantize()
+
+
+def take_rows(table: Array | QTensor, idx: Array, dtype: Any = jnp.float32) -> Array:
+    """``table[idx]`` (an embedding lookup); a QTensor's gathered rows are dequantized."""
+    if not isinstance(table, QTensor):
+        return table[idx]
+    if table.transposed:
+        raise SpecError("take_rows: a transposed QTensor has no stored rows to gather")
+    return dequantize_rows(table.blocks[idx], table.qtype, xp=jnp).astype(dtype)
+
+
+def cache_attention(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: Array,
+                    length: Array, *, scale: float,
+                    portable: Callable[[Array, Array, Array, Array, Array, Array], Array]
+                    ) -> Array:
+    """Attention of a step's queries over the slot caches (this step's entries written).
+
+    Shapes and semantics are those of ``exporters.layers.cache_attention``; ``portable`` is its
+    jnp form ``(q, k_cache, v_cache, slot, pos, length) -> out``. Outside
+    :func:`exporting_for_kernels`, or for caches that are not float32, this is ``portable``.
+    Otherwise it lowers to ``platform_dependent(cpu=<kernel for steps of at most
+    ATTENTION_MAX_QUERIES tokens, else portable>, default=portable)``. The kernel reads only
+    the positions each query sees, and gives zeros for a row of length 0 (garbage in the
+    portable form; callers ignore such rows).
+    """
+    args = (q, k_cache, v_cache, slot, pos, length)
+    if not _for_kernels.get() or any(a.dtype != jnp.float32 for a in args[:3]):
+        return portable(*args)
+
+    def kernel(*a: Array) -> Array:
+        call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        return call(*a, scale=np.float32(scale))
+
+    def cpu(*a: Array) -> Array:
+        long = jnp.asarray(a[0].shape[1]) > ATTENTION_MAX_QUERIES  # constant per bucket
+        return lax.cond(long, portable, kernel, *a)
+
+    return lax.platform_dependent(*args, cpu=cpu, default=portable)

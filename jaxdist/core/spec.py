@@ -1,0 +1,376 @@
+"""StageSpec: everything a worker needs to run one pipeline stage, with nothing implied.
+
+The wire form is the ``jaxdist.v1.StageSpec`` protobuf message (``jaxdist/proto/jaxdist.proto``).
+This module is its thin, typed Python view: frozen dataclasses, conversion in matched
+``to_proto`` / ``from_proto`` pairs, and :func:`validate`, which raises :class:`SpecError` naming
+the offending field (``weights[3].sha256``).
+
+Calling convention of a stage artifact (see ``jaxdist/core/artifacts.py``): positional arguments are
+the weights in spec order, then the state tensors, then the inputs; results are the outputs, then
+the new state in the same order as ``state``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from jaxdist.core import codec
+from jaxdist.core.devices import parse_directive
+from jaxdist.core.errors import CodecError, DeviceError, SpecError, WeightError
+from jaxdist.core.weights import parse_uri
+from jaxdist.proto import jaxdist_pb2 as pb
+
+__all__ = [
+    "SPEC_VERSION",
+    "ShapeBucket",
+    "StageSpec",
+    "StateSig",
+    "TensorSig",
+    "Versions",
+    "WeightRef",
+    "parse_dim",
+    "validate",
+]
+
+# Spec format version, "MAJOR.MINOR".
+# Bump rules:
+#   - MINOR: a new optional field that old workers may ignore without changing what a stage
+#     computes (e.g. a new informational field). Workers accept any MINOR of a known MAJOR.
+#   - MAJOR: any change an old worker would misread: a changed meaning of a field, a new
+#     required field, a changed calling convention. Workers refuse unknown MAJOR versions.
+# Changelog:
+#   1.0 (2026-11-30): first version.
+SPEC_VERSION = "1.0"
+SUPPORTED_SPEC_MAJORS = (1,)
+
+# Matched with fullmatch: "$" would also accept a trailing newline. ASCII only: str.isdigit()
+# and "\d" accept other scripts' digits ("²", "٣"), which int() refuses or reads differently.
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_HOSTPORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):([0-9]{1,5})", re.ASCII)
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
+_SHA = re.compile(r"[0-9a-f]{64}", re.ASCII)
+# A constant dim: at most 18 digits, so it fits an int64 (and stays far below int()'s limit of
+# 4300 digits). A spec major version: at most 9.
+_INT_DIM = re.compile(r"-?[0-9]{1,18}", re.ASCII)
+_MAJOR = re.compile(r"[0-9]{1,9}", re.ASCII)
+
+
+def parse_dim(text: str) -> int | str:
+    """A dim as written in text (a ``TensorSig`` on the wire, an artifact's metadata).
+
+    Returns:
+        an ``int`` for an ASCII decimal integer of at most 18 digits with an optional ``-``
+        (``"32"``, ``"-4"``); anything else unchanged, as a symbol (``"b"``), which
+        :func:`validate` refuses unless it is a symbol name.
+
+    Example:
+        >>> parse_dim("32"), parse_dim("b"), parse_dim("²")
+        (32, 'b', '²')
+    """
+    return int(text) if _INT_DIM.fullmatch(text) else text
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSig:
+    """Name, dtype and dims of an activation. A dim is an ``int`` or a symbol such as ``"b"``."""
+
+    name: str
+    dtype: str
+    dims: tuple[int | str, ...]
+
+    def to_proto(self) -> pb.TensorSig:
+        return pb.TensorSig(name=self.name, dtype=self.dtype, dims=[str(d) for d in self.dims])
+
+    @classmethod
+    def from_proto(cls, msg: pb.TensorSig) -> TensorSig:
+        return cls(msg.name, msg.dtype, tuple(parse_dim(d) for d in msg.dims))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSig:
+    """A per-session resident tensor (e.g. a KV cache), allocated as zeros on first use."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = codec.dtype_from_name(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_proto(self) -> pb.StateSig:
+        return pb.StateSig(name=self.name, dtype=self.dtype, shape=list(self.shape))
+
+    @classmethod
+    def from_proto(cls, msg: pb.StateSig) -> StateSig:
+        return cls(msg.name, msg.dtype, tuple(msg.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRef:
+    """Where one parameter comes from, and what it must look like once bound.
+
+    Attributes:
+        param: parameter path in the stage function (``"blocks.3.attn.wq"``).
+        uri: ``gguf://PATH#TENSOR``, ``safetensors://PATH#TENSOR`` or ``file://PATH``.
+        shape: shape of the bound array, after the layout transform.
+        dtype: dtype of the bound array (``"uint8"`` when packed).
+        sha256: optional hex digest of the tensor's stored bytes.
+        packed: bind the raw quantized blocks; the graph dequantizes.
+        transpose: reverse the axes once at bind time.
+        quant: GGML quant type when packed (``"Q8_0"``).
+    """
+
+    param: str
+    uri: str
+    shape: tuple[int, ...]
+    dtype: str
+    sha256: str | None = None
+    packed: bool = False
+    transpose: bool = False
+    quant: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = codec.dtype_from_name(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def binding(self) -> tuple[object, ...]:
+        """What a bound array is made of: refs with the same binding share one array (a tied
+        embedding bound packed serves as lookup table and LM head)."""
+        return (self.uri, self.shape, self.dtype, self.sha256, self.packed, self.transpose,
+                self.quant)
+
+    def to_proto(self) -> pb.WeightRef:
+        return pb.WeightRef(
+            param=self.param, uri=self.uri, shape=list(self.shape), dtype=self.dtype,
+            sha256=self.sha256 or "", packed=self.packed,
+            layout=pb.LAYOUT_TRANSPOSE if self.transpose else pb.LAYOUT_AS_STORED,
+            quant=self.quant or "")
+
+    @classmethod
+    def from_proto(cls, msg: pb.WeightRef) -> WeightRef:
+        return cls(msg.param, msg.uri, tuple(msg.shape), msg.dtype, msg.sha256 or None, msg.packed,
+                   msg.layout == pb.LAYOUT_TRANSPOSE, msg.quant or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeBucket:
+    """One binding of the symbolic dims (``{"b": 1, "s": 64}``) to compile ahead of time."""
+
+    dims: Mapping[str, int]
+
+    def to_proto(self) -> pb.ShapeBucket:
+        return pb.ShapeBucket(dims=dict(self.dims))
+
+    @classmethod
+    def from_proto(cls, msg: pb.ShapeBucket) -> ShapeBucket:
+        return cls(dict(msg.dims))
+
+
+@dataclasses.dataclass(frozen=True)
+class Versions:
+    """The versions of the tools that made an artifact."""
+
+    spec: str = SPEC_VERSION
+    jax: str = ""
+    jaxlib: str = ""
+    serialization_version: int = 0
+    calling_convention_version: int = 0
+    stablehlo: str = ""
+
+    def to_proto(self) -> pb.Versions:
+        return pb.Versions(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_proto(cls, msg: pb.Versions) -> Versions:
+        return cls(msg.spec, msg.jax, msg.jaxlib, msg.serialization_version,
+                   msg.calling_convention_version, msg.stablehlo)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """A self-describing unit of work for a worker. See the module docstring for the convention."""
+
+    artifact_digest: str
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
+    weights: tuple[WeightRef, ...] = ()
+    state: tuple[StateSig, ...] = ()
+    device: str = "auto"
+    stage_index: int = 0
+    num_stages: int = 1
+    next_hop: str = ""
+    buckets: tuple[ShapeBucket, ...] = ()
+    platforms: tuple[str, ...] = ()
+    versions: Versions = dataclasses.field(default_factory=Versions)
+    model: str = ""
+    stage_id: str = ""
+    artifact: bytes | None = dataclasses.field(default=None, repr=False)
+    spec_version: str = SPEC_VERSION
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the stage binds: weights with the same binding (a tied embedding bound packed,
+        as lookup table and LM head) are bound once, and count once."""
+        unique = {w.binding: w for w in self.weights}
+        return sum(w.nbytes for w in unique.values())
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.nbytes for s in self.state)
+
+    def replace(self, **changes: Any) -> StageSpec:
+        return dataclasses.replace(self, **changes)
+
+    def to_proto(self) -> pb.StageSpec:
+        return pb.StageSpec(
+            spec_version=self.spec_version, model=self.model, stage_index=self.stage_index,
+            num_stages=self.num_stages, artifact_digest=self.artifact_digest,
+            artifact=self.artifact or b"", inputs=[t.to_proto() for t in self.inputs],
+            outputs=[t.to_proto() for t in self.outputs], state=[s.to_proto() for s in self.state],
+            weights=[w.to_proto() for w in self.weights], device=self.device,
+            next_hop=self.next_hop, buckets=[b.to_proto() for b in self.buckets],
+            versions=self.versions.to_proto(), platforms=list(self.platforms),
+            stage_id=self.stage_id)
+
+    @classmethod
+    def from_proto(cls, msg: pb.StageSpec) -> StageSpec:
+        return cls(
+            artifact_digest=msg.artifact_digest,
+            inputs=tuple(TensorSig.from_proto(t) for t in msg.inputs),
+            outputs=tuple(TensorSig.from_proto(t) for t in msg.outputs),
+            weights=tuple(WeightRef.from_proto(w) for w in msg.weights),
+            state=tuple(StateSig.from_proto(s) for s in msg.state),
+            device=msg.device, stage_index=msg.stage_index, num_stages=msg.num_stages,
+            next_hop=msg.next_hop, buckets=tuple(ShapeBucket.from_proto(b) for b in msg.buckets),
+            platforms=tuple(msg.platforms), versions=Versions.from_proto(msg.versions),
+            model=msg.model, stage_id=msg.stage_id, artifact=msg.artifact or None,
+            spec_version=msg.spec_version)
+
+    def serialize(self) -> bytes:
+        return self.to_proto().SerializeToString()
+
+    @classmethod
+    def deserialize(cls, data: bytes) -> StageSpec:
+        """Parse and validate wire bytes. Raises SpecError on anything malformed."""
+        msg = pb.StageSpec()
+        try:
+            msg.ParseFromString(data)
+        except DecodeError as exc:
+            raise SpecError(f"malformed StageSpec bytes ({len(data)} bytes): {exc}") from None
+        spec = cls.from_proto(msg)
+        validate(spec)
+        return spec
+
+
+def _fail(field: str, problem: str) -> SpecError:
+    return SpecError(f"StageSpec.{field}: {problem}")
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """``repr(text)``, shortened when long (a hostile field may hold megabytes)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _check_dtype(field: str, dtype: str) -> None:
+    try:
+        if codec.canonical_dtype(dtype) != dtype:
+            raise _fail(field, f"dtype must be the canonical name {codec.canonical_dtype(dtype)!r}, "
+                               f"found {dtype!r}")
+    except CodecError:
+        raise _fail(field, f"unknown dtype {dtype!r}; expected one of "
+                           f"{', '.join(codec.SUPPORTED_DTYPES)}") from None
+
+
+def _check_names(field: str, names: Sequence[str]) -> None:
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not name:
+            raise _fail(f"{field}[{i}].name", "must not be empty")
+        if name in seen:
+            raise _fail(f"{field}[{i}].name", f"duplicate name {name!r}")
+        seen.add(name)
+
+
+def validate(spec: StageSpec) -> None:
+    """Check a spec for internal consistency. Does not touch the disk or the devices.
+
+    Raises:
+        SpecError: naming the first offending field, what was expected and what was found.
+    """
+    major = spec.spec_version.split(".", 1)[0]
+    if not _MAJOR.fullmatch(major) or int(major) not in SUPPORTED_SPEC_MAJORS:
+        raise _fail("spec_version", f"unsupported version {_clip(spec.spec_version)}; this "
+                                    f"jaxdist reads major versions {SUPPORTED_SPEC_MAJORS} "
+                                    f"(is {SPEC_VERSION})")
+    if not _DIGEST.fullmatch(spec.artifact_digest):
+        raise _fail("artifact_digest", f"expected 'sha256:' and 64 lowercase hex digits, found "
+                                       f"{spec.artifact_digest!r}")
+    if spec.num_stages < 1 or not 0 <= spec.stage_index < spec.num_stages:
+        raise _fail("stage_index", f"expected 0 <= stage_index < num_stages, found "
+                                   f"stage_index={spec.stage_index}, num_stages={spec.num_stages}")
+    if spec.next_hop and not _HOSTPORT.fullmatch(spec.next_hop):
+        raise _fail("next_hop", f"expected HOST:PORT, found {spec.next_hop!r}")
+    if spec.next_hop and spec.stage_index == spec.num_stages - 1:
+        raise _fail("next_hop", "the last stage returns to the coordinator; next_hop must be empty")
+    try:
+        parse_directive(spec.device)
+    except DeviceError as exc:
+        raise _fail("device", str(exc)) from None
+    if not spec.outputs:
+        raise _fail("outputs", "a stage needs at least one output")
+    symbols: set[str] = set()
+    for field, sigs in (("inputs", spec.inputs), ("outputs", spec.outputs)):
+        _check_names(field, [s.name for s in sigs])
+        for i, sig in enumerate(sigs):
+            _check_dtype(f"{field}[{i}].dtype", sig.dtype)
+            for j, d in enumerate(sig.dims):
+                if isinstance(d, int):
+                    if d < 0:
+                        raise _fail(f"{field}[{i}].dims[{j}]", f"negative size {d}")
+                elif not _SYMBOL.fullmatch(d):
+                    raise _fail(f"{field}[{i}].dims[{j}]",
+                                f"expected an integer or a symbol name, found {_clip(d)} (an "
+                                f"integer is an optional '-' and 1 to 18 ASCII digits)")
+                elif field == "inputs":
+                    symbols.add(d)
+    _check_names("state", [s.name for s in spec.state])
+    for i, st in enumerate(spec.state):
+        _check_dtype(f"state[{i}].dtype", st.dtype)
+        if any(d < 0 for d in st.shape):
+            raise _fail(f"state[{i}].shape", f"expected non-negative sizes, found {st.shape}")
+    _check_names("weights", [w.param for w in spec.weights])
+    for i, w in enumerate(spec.weights):
+        try:
+            parse_uri(w.uri)
+        except WeightError as exc:
+            raise _fail(f"weights[{i}].uri", str(exc)) from None
+        _check_dtype(f"weights[{i}].dtype", w.dtype)
+        if any(d < 0 for d in w.shape):
+            raise _fail(f"weights[{i}].shape", f"expected non-negative sizes, found {w.shape}")
+        if w.sha256 is not None and not _SHA.fullmatch(w.sha256):
+            raise _fail(f"weights[{i}].sha256", f"expected 64 lowercase hex digits, found {w.sha256!r}")
+        if w.packed and (w.dtype != "uint8" or not w.quant):
+            raise _fail(f"weights[{i}]", f"a packed weight ({w.param!r}) needs dtype 'uint8' and a "
+                                         f"quant type, found dtype={w.dtype!r} quant={w.quant!r}")
+    for i, bucket in enumerate(spec.buckets):
+        unknown = set(bucket.dims) - symbols
+        if unknown:
+            raise _fail(f"buckets[{i}]", f"unknown symbols {sorted(unknown)}; the inputs use "
+                                         f"{sorted(symbols)}")
+        if any(v < 1 for v in bucket.dims.values()):
+            raise _fail(f"buckets[{i}]", f"sizes must be >= 1, found {dict(bucket.dims)}")

@@ -1,0 +1,142 @@
+"""A typed client for one worker: unary calls raise jaxdist errors, never raw ``grpc.RpcError``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from jaxdist.core.errors import JaxdistError, TransportError
+from jaxdist.core.spec import StageSpec
+from jaxdist.core.transport import security, status, wire
+from jaxdist.core.transport.channel import FrameSender, make_channel
+from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
+
+__all__ = ["WorkerClient", "raise_for_rpc"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+UPLOAD_CHUNK = 1 << 20
+
+
+def raise_for_rpc(exc: grpc.RpcError, address: str, what: str) -> JaxdistError:
+    """The jaxdist error for a failed call: the class the worker raised, or one by status code."""
+    remote_type = ""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == "jaxdist-error-type":
+            remote_type = value
+    code = exc.code()
+    cls = status.error_class_for(code, remote_type)
+    details = exc.details() or code.name
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAUTHENTICATED):
+        details = f"{code.name}: {details}"
+    return cls(f"worker {address}: {what}: {details}")
+
+
+class WorkerClient:
+    """Control-plane calls to one worker, with deadlines.
+
+    Args:
+        address: ``HOST:PORT``.
+        timeout: default deadline of quick calls, in seconds.
+        metadata: call metadata sent with every call (e.g. ``authorization``).
+        credentials: TLS channel credentials, or ``None`` for plaintext.
+
+    Both usually come from :func:`jaxdist.core.transport.security.client_auth`.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 10.0,
+                 metadata: tuple[tuple[str, str], ...] = (),
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.metadata = metadata
+        self.tls = credentials is not None
+        self.channel = make_channel(address, credentials=credentials)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+
+    def _call(self, what: str, fn: Callable[..., T], request: Any, timeout: float | None = None
+              ) -> T:
+        try:
+            return fn(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            error = raise_for_rpc(exc, self.address, what)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                hint = security.connection_hint(exc.details() or "", tls=self.tls)
+                error = type(error)(f"{error}{hint}")
+            raise error from None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            pass
+        else:
+            return
+        # Why it is not ready: one short call says it (e.g. a TLS mismatch, given a hint).
+        try:
+            self.stub.Info(pb.InfoRequest(), timeout=min(timeout, 1.0), metadata=self.metadata)
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise raise_for_rpc(exc, self.address, "Info") from None
+            details = exc.details() or ""
+            hint = security.connection_hint(details, tls=self.tls)
+            raise TransportError(f"worker {self.address} is not reachable after {timeout}s: "
+                                 f"{exc.code().name}: {details}{hint}") from None
+        # It answered: it became reachable just now.
+
+    def info(self, timeout: float | None = None) -> pb.InfoReply:
+        return self._call("Info", self.stub.Info, pb.InfoRequest(), timeout)
+
+    def has_artifact(self, digest: str) -> bool:
+        return self._call("HasArtifact", self.stub.HasArtifact,
+                          pb.ArtifactQuery(digest=digest)).present
+
+    def upload_artifact(self, digest: str, data: bytes, timeout: float = 300.0) -> pb.UploadReply:
+        def chunks() -> Iterator[pb.ArtifactChunk]:
+            for off in range(0, max(len(data), 1), UPLOAD_CHUNK):
+                yield pb.ArtifactChunk(digest=digest, data=data[off:off + UPLOAD_CHUNK],
+                                       total_bytes=len(data))
+        return self._call("UploadArtifact", self.stub.UploadArtifact, chunks(), timeout)
+
+    def load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0
+                   ) -> pb.LoadStageReply:
+        return self._call(f"LoadStage (stage {spec.stage_index})", self.stub.LoadStage,
+                          pb.LoadStageRequest(spec=spec.to_proto(), pipeline_id=pipeline_id),
+                          timeout)
+
+    def unload_stage(self, stage_id: str) -> bool:
+        return self._call("UnloadStage", self.stub.UnloadStage,
+                          pb.UnloadStageRequest(stage_id=stage_id)).unloaded
+
+    def describe_weights(self, path: str) -> tuple[list[pb.WeightInfo], dict[str, Any]]:
+        reply = self._call(f"DescribeWeights({path})", self.stub.DescribeWeights,
+                           pb.DescribeWeightsRequest(path=path), 60.0)
+        return list(reply.tensors), {k: json.loads(v) for k, v in reply.metadata.items()}
+
+    def end_session(self, pipeline_id: str, session_id: str) -> pb.EndSessionReply:
+        return self._call("EndSession", self.stub.EndSession,
+                          pb.EndSessionRequest(pipeline_id=pipeline_id, session_id=session_id))
+
+    def sender(self, on_error: Callable[[TransportError], None] | None = None,
+               max_pending: int = 64) -> FrameSender:
+        return FrameSender(wire.push_method(self.channel), self.address, on_error=on_error,
+                           metadata=self.metadata, max_pending=max_pending)
+
+    def subscribe(self, pipeline_id: str, reply_to: str) -> Any:
+        """The event stream of a pipeline on this worker, as :class:`frames.EventView` items
+        (cancel it to stop)."""
+        return wire.subscribe_method(self.channel)(
+            pb.SubscribeRequest(pipeline_id=pipeline_id, reply_to=reply_to),
+            metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()

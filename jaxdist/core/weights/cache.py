@@ -1,0 +1,577 @@
+"""The WeightCache: resolve weight URIs under the weight roots, parsing each file once.
+
+A worker binds a stage by calling :meth:`WeightCache.load` once per weight of its spec. Files are
+memory-mapped and their headers parsed on first use; the reader objects are kept by real path, so
+binding 30 layers from one GGUF parses it once. All layout work happens here, once per bind:
+GGUF's reversed dims, dequantization, transposition and dtype casts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import mmap
+import os
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import ml_dtypes
+import numpy as np
+
+from jaxdist.core.errors import WeightError
+from jaxdist.core.quant import PACKABLE_TYPES, dequantize, packed_shape
+from jaxdist.core.weights.gguf import GGUFFile
+from jaxdist.core.weights.rawfile import file_bytes, read_raw
+from jaxdist.core.weights.safetensors import (
+    SafetensorsFile,
+    find_checkpoint,
+    read_config,
+    read_index,
+)
+from jaxdist.core.weights.uri import WeightInfo, WeightURI, parse_uri, resolve_path
+
+__all__ = ["WeightCache", "WeightInfo"]
+
+logger = logging.getLogger(__name__)
+
+_Reader = GGUFFile | SafetensorsFile
+_R = TypeVar("_R", GGUFFile, SafetensorsFile)
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+@dataclass(frozen=True)
+class _Located:
+    """Where a URI points: a parsed file and tensor name, or (file://) a raw file."""
+
+    uri: WeightURI
+    path: Path
+    reader: _Reader | None = None
+    tensor: str | None = None
+
+
+def _as_dtype(dtype: Any, where: str) -> np.dtype[Any]:
+    """A NumPy dtype from a name or type; ``"bfloat16"`` and the FP8 names come from ml_dtypes."""
+    if dtype is None:
+        raise WeightError(f"{where}: no dtype given; expected a dtype name such as 'float32'")
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        extra = getattr(ml_dtypes, dtype, None) if isinstance(dtype, str) else None
+        if isinstance(extra, type) and issubclass(extra, np.generic):
+            return np.dtype(extra)
+        raise WeightError(
+            f"{where}: unknown dtype {dtype!r}; expected a NumPy dtype name such as 'float32', "
+            f"'float16', 'bfloat16' or 'int64'"
+        ) from None
+
+
+def _family(dt: np.dtype[Any]) -> str:
+    if dt.kind == "f" or dt.name.startswith(("bfloat", "float")):
+        return "float"
+    return {"i": "int", "u": "int", "b": "bool"}.get(dt.kind, dt.kind)
+
+
+BIND_BLOCK_BYTES = 4 << 20
+""":meth:`WeightCache.load` converts a tensor in blocks of rows of about this many bytes (as
+float32), so that it holds one block's temporaries at a time (dequantizing makes several
+float32 arrays the size of its input) besides the result, never a whole tensor's."""
+
+_ALIGN = 64  # XLA:CPU uses a host buffer in place only at this alignment
+
+
+def _aligned_empty(shape: tuple[int, ...], dt: np.dtype[Any]) -> np.ndarray:
+    """An uninitialized C-contiguous array on a 64-byte boundary, so that
+    ``jax.device_put(a, cpu_device, may_alias=True)`` takes it as the device buffer, no copy."""
+    nbytes = math.prod(shape) * dt.itemsize
+    buf = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -buf.ctypes.data % _ALIGN
+    return buf[start:start + nbytes].view(dt).reshape(shape)
+
+
+def _drop_pages(view: np.ndarray) -> None:
+    """``MADV_DONTNEED`` the pages of a memory map behind ``view``.
+
+    The pages are clean file pages: they leave this process's resident set (and stop counting in
+    its RSS) but stay in the page cache; reading the range again faults them back in from the
+    file. Does nothing for arrays that are not views of an ``mmap`` or where madvise is missing.
+    """
+    base: Any = view
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    if base is None or view.nbytes == 0 or not hasattr(base, "madvise"):
+        return
+    start = view.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
+    page = start - start % mmap.PAGESIZE
+    base.madvise(mmap.MADV_DONTNEED, page, start + view.nbytes - page)
+
+
+def _check_cast(src: np.dtype[Any], dt: np.dtype[Any], where: str) -> None:
+    """Refuse a cast across families (float <-> int/bool); see :func:`_convert`."""
+    if src != dt and _family(src) != _family(dt):
+        raise WeightError(
+            f"{where}: dtype mismatch: expected {dt.name}, found {src.name}; "
+            f"a {_family(src)} tensor is not converted to {_family(dt)} implicitly, "
+            f"fix the dtype in the spec"
+        )
+
+
+def _check_int_range(arr: np.ndarray, dt: np.dtype[Any], where: str) -> None:
+    """Refuse a narrowing integer cast when the values do not fit; see :func:`_convert`."""
+    if _family(dt) == "int" and not np.can_cast(arr.dtype, dt) and arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        info = np.iinfo(dt)
+        if lo < info.min or hi > info.max:
+            raise WeightError(
+                f"{where}: dtype mismatch: expected {dt.name}, found {arr.dtype.name} values in "
+                f"[{lo}, {hi}] that {dt.name} cannot hold; widen the dtype in the spec"
+            )
+
+
+def _convert(arr: np.ndarray, dt: np.dtype[Any], *, transpose: bool, where: str) -> np.ndarray:
+    """Transpose (reverse axes) and cast in one copy; no copy at all when neither is needed.
+
+    Floats convert to any float width (that is the compute-dtype choice); integers to any integer
+    width whose range holds the values. Crossing families (float <-> int/bool) is refused.
+    """
+    src = arr.T if transpose else arr
+    if arr.dtype == dt:
+        return np.ascontiguousarray(src) if transpose else np.asarray(src)
+    _check_cast(arr.dtype, dt, where)
+    _check_int_range(arr, dt, where)
+    return np.array(src, dtype=dt, order="C")
+
+
+def _byte_shape(info: WeightInfo) -> tuple[int, ...]:
+    """Shape of a tensor's stored bytes: its shape with the last dim replaced by bytes per row."""
+    if info.quant is not None:
+        return packed_shape(info.quant, info.shape)
+    if not info.shape:
+        return (info.nbytes,)
+    itemsize = _as_dtype(info.dtype, info.name).itemsize
+    return (*info.shape[:-1], info.shape[-1] * itemsize)
+
+
+class WeightCache:
+    """Resolves weight URIs under a set of roots, keeping one parsed reader per file.
+
+    Thread-safe: a lock guards the reader table, so concurrent binds parse each file once.
+
+    Args:
+        roots: the directories weights may be read from (the worker's ``--weights-root``).
+            Relative URI paths are tried against each root in order.
+
+    Example:
+        >>> with WeightCache(["/srv/models"]) as cache:                     # doctest: +SKIP
+        ...     wq = cache.load("gguf://smollm2.gguf#blk.0.attn_q.weight",
+        ...                     param="blocks.0.wq", shape=(576, 576), dtype="float32",
+        ...                     transpose=True)
+    """
+
+    def __init__(self, roots: Sequence[str | os.PathLike[str]]) -> None:
+        self._roots = tuple(Path(r) for r in roots)
+        self._lock = threading.Lock()
+        self._readers: dict[Path, _Reader] = {}
+        self._indexes: dict[Path, dict[str, str]] = {}
+        self._closed = False
+
+    @property
+    def roots(self) -> tuple[Path, ...]:
+        """The weight roots, as given."""
+        return self._roots
+
+    def open_files(self) -> tuple[str, ...]:
+        """Real paths of the files whose readers are cached (each parsed exactly once)."""
+        with self._lock:
+            return tuple(str(p) for p in self._readers)
+
+    # -- locating ---------------------------------------------------------------------------
+
+    def _open(self, path: Path, kind: type[_R]) -> _R:
+        with self._lock:
+            if self._closed:
+                raise WeightError("WeightCache is closed; create a new one to resolve weights")
+            reader = self._readers.get(path)
+            if reader is None:
+                reader = kind(path)
+                self._readers[path] = reader
+            elif not isinstance(reader, kind):
+                raise WeightError(
+                    f"file '{path}' was opened as {type(reader).__name__}, now requested as "
+                    f"{kind.__name__}; use one URI scheme per file"
+                )
+            return reader
+
+    def _index(self, path: Path) -> dict[str, str]:
+        with self._lock:
+            index = self._indexes.get(path)
+            if index is None:
+                index = self._indexes[path] = read_index(path)
+            return index
+
+    def _checkpoint_file(self, u: WeightURI) -> Path:
+        """The safetensors file or index a ``safetensors://`` path stands for."""
+        real = resolve_path(u.path, self._roots, uri=str(u))
+        if real.is_dir():
+            real = resolve_path(find_checkpoint(real), self._roots, uri=str(u))
+        return real
+
+    def _locate(self, uri: str | WeightURI) -> _Located:
+        u = uri if isinstance(uri, WeightURI) else parse_uri(uri)
+        if u.scheme == "file":
+            return _Located(u, resolve_path(u.path, self._roots, uri=str(u)))
+        tensor = u.require_tensor()
+        if u.scheme == "gguf":
+            path = resolve_path(u.path, self._roots, uri=str(u))
+            return _Located(u, path, self._open(path, GGUFFile), tensor)
+        path = self._checkpoint_file(u)
+        if path.suffix == ".json":
+            shard = self._index(path).get(tensor)
+            if shard is None:
+                raise WeightError(
+                    f"weight '{u}': tensor '{tensor}' is not in the weight_map of '{path}'; "
+                    f"check the tensor name (list them with describe_weights)"
+                )
+            path = resolve_path(path.parent / shard, self._roots, uri=str(u))
+        return _Located(u, path, self._open(path, SafetensorsFile), tensor)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def info(self, uri: str) -> WeightInfo:
+        """Header info of the tensor a ``gguf://`` or ``safetensors://`` URI names.
+
+        Raises:
+            WeightError: bad URI, path outside the roots, missing file or tensor, or ``file://``.
+        """
+        loc = self._locate(uri)
+        if loc.reader is None:
+            raise WeightError(
+                f"weight '{loc.uri}': a file:// weight has no header to describe; the spec gives "
+                f"its shape and dtype"
+            )
+        return loc.reader.info(loc.tensor or "")
+
+    def _stored(self, loc: _Located) -> np.ndarray:
+        if loc.reader is None:
+            return file_bytes(loc.path)
+        return loc.reader.stored_bytes(loc.tensor or "")
+
+    def _natural(
+        self, loc: _Located, shape: Sequence[int] | None, dtype: np.dtype[Any] | None
+    ) -> np.ndarray:
+        if loc.reader is not None:
+            return loc.reader.read(loc.tensor or "")
+        if shape is None or dtype is None:
+            raise WeightError(
+                f"weight '{loc.uri}': a file:// weight needs its shape and dtype from the caller, "
+                f"found shape={shape}, dtype={dtype}; pass both"
+            )
+        return read_raw(loc.path, shape=shape, dtype=dtype, uri=str(loc.uri))
+
+    def resolve(
+        self, uri: str, *, dtype: Any = None, shape: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """The tensor a URI names, dequantized, in NumPy order.
+
+        Args:
+            uri: a weight URI.
+            dtype: cast to this dtype (float to any float, int to any int); ``None`` keeps the
+                stored dtype (float32 for quantized tensors). Required for ``file://``.
+            shape: the expected shape, checked when given. Required for ``file://``.
+
+        Returns:
+            The array. Without a cast it may be a read-only view of the memory-mapped file.
+
+        Raises:
+            WeightError: bad URI, path outside the roots, missing file or tensor, mismatch.
+        """
+        loc = self._locate(uri)
+        where = f"weight '{loc.uri}'"
+        dt = _as_dtype(dtype, where) if dtype is not None else None
+        if shape is not None:
+            want = tuple(int(d) for d in shape)
+            found = loc.reader.info(loc.tensor or "").shape if loc.reader else want
+            if found != want:  # checked from the header, before any data is read
+                raise WeightError(f"{where}: shape mismatch: expected {want}, found {found}")
+        arr = self._natural(loc, shape, dt)
+        if dt is None:
+            return np.asarray(arr)
+        return _convert(arr, dt, transpose=False, where=where)
+
+    def resolve_bytes(self, uri: str) -> tuple[np.ndarray, WeightInfo]:
+        """The tensor's stored bytes, not dequantized, and its info.
+
+        Returns:
+            ``(bytes, info)``: uint8 shaped ``info.shape`` with the last dim replaced by bytes per
+            row (so ``jaxdist.core.quant.dequantize(bytes, info.storage_type, info.shape)`` decodes
+            it). For ``file://``, the whole file as 1-D bytes with ``info.dtype == "uint8"``.
+
+        Raises:
+            WeightError: bad URI, path outside the roots, missing file or tensor.
+        """
+        loc = self._locate(uri)
+        raw = np.asarray(self._stored(loc))
+        if loc.reader is None:
+            info = WeightInfo(str(loc.path), (raw.size,), "uint8", None, raw.size, str(loc.path))
+            return raw, info
+        info = loc.reader.info(loc.tensor or "")
+        return raw.reshape(_byte_shape(info)), info
+
+    def describe(self, path: str | os.PathLike[str]) -> dict[str, WeightInfo]:
+        """Names, shapes, dtypes, quant types and sizes of every tensor, from headers only.
+
+        Args:
+            path: a GGUF or safetensors file, a sharded index, a checkpoint directory, or such a
+                URI without ``#TENSOR`` (``gguf://m.gguf``). Resolved under the roots.
+
+        Raises:
+            WeightError: path outside the roots, missing, of unknown format, or ``file://``.
+        """
+        text = os.fspath(path)
+        u = parse_uri(text) if "://" in text else WeightURI(self._guess_scheme(text), text)
+        if u.scheme == "file":
+            raise WeightError(f"'{text}': a file:// weight has no header to describe")
+        if u.scheme == "gguf":
+            real = resolve_path(u.path, self._roots, uri=text)
+            return self._open(real, GGUFFile).describe()
+        real = self._checkpoint_file(u)
+        if real.suffix != ".json":
+            return self._open(real, SafetensorsFile).describe()
+        out: dict[str, WeightInfo] = {}
+        for name, shard in self._index(real).items():
+            shard_path = resolve_path(real.parent / shard, self._roots, uri=text)
+            out[name] = self._open(shard_path, SafetensorsFile).info(name)
+        return out
+
+    def _guess_scheme(self, path: str) -> str:
+        if path.endswith(".gguf"):
+            return "gguf"
+        if path.endswith((".safetensors", ".json")):
+            return "safetensors"
+        real = resolve_path(path, self._roots)
+        if real.is_dir():
+            return "safetensors"
+        with open(real, "rb") as f:
+            return "gguf" if f.read(4) == b"GGUF" else "safetensors"
+
+    def metadata(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Model metadata of a file or checkpoint under the roots, from headers only.
+
+        GGUF: its key/value metadata (see :func:`weights.gguf.metadata`). Safetensors (a file, an
+        index or a directory): the ``config.json`` beside it, if any, under ``"config"``, plus the
+        header's ``__metadata__`` strings.
+
+        Raises:
+            WeightError: path outside the roots (the ``config.json`` too), missing, or a malformed
+                header, ``__metadata__`` or ``config.json``.
+        """
+        text = os.fspath(path)
+        u = parse_uri(text) if "://" in text else WeightURI(self._guess_scheme(text), text)
+        if u.scheme == "gguf":
+            return self._open(resolve_path(u.path, self._roots, uri=text), GGUFFile).metadata()
+        if u.scheme == "file":
+            raise WeightError(f"'{text}': a file:// weight has no metadata")
+        real = self._checkpoint_file(u)
+        out: dict[str, Any] = {}
+        config = real.parent / "config.json"
+        if config.is_file():
+            out["config"] = read_config(resolve_path(config, self._roots, uri=text))
+        if real.suffix != ".json":
+            out.update(self._open(real, SafetensorsFile).metadata)
+        return out
+
+    # -- binding ----------------------------------------------------------------------------
+
+    def load(
+        self,
+        uri: str,
+        *,
+        param: str,
+        shape: Sequence[int],
+        dtype: Any,
+        sha256: str | None = None,
+        packed: bool = False,
+        transpose: bool = False,
+        quant: str | None = None,
+    ) -> np.ndarray:
+        """Bind one WeightRef: verify, resolve, lay out and check a weight.
+
+        In order: the sha256 of the stored bytes (if given); the stored type against ``quant``
+        (if given); the final shape against ``shape`` (from the header, before reading data);
+        then the data is read, dequantized unless ``packed``, transposed and cast in one copy.
+
+        Args:
+            uri: the weight URI.
+            param: the parameter name in the stage function, for error messages.
+            shape: the shape the stage expects after transposition (packed: the byte shape, the
+                logical shape with the last dim replaced by bytes per row).
+            dtype: the dtype the stage expects (packed: ``"uint8"``).
+            sha256: hex sha256 of the tensor's stored bytes, verified before anything else.
+            packed: bind the raw stored blocks (uint8) for in-graph dequantization.
+            transpose: reverse the axes (e.g. to bind ``(out, in)`` weights as ``(in, out)``).
+            quant: the expected stored GGML type (``"Q4_1"``, ``"F16"``), checked when given.
+
+        Returns:
+            A new C-contiguous array of ``shape`` and ``dtype``, on a 64-byte boundary (so
+            ``jax.device_put(a, cpu, may_alias=True)`` uses it in place), never a view of the
+            file. The file pages it was read from are released (``MADV_DONTNEED``): they leave
+            this process's RSS and stay in the page cache.
+
+        Raises:
+            WeightError: any mismatch; the message names ``param``, the URI, expected and found.
+        """
+        loc = self._locate(uri)
+        where = f"weight '{param}' ({loc.uri})"
+        if sha256 is not None:
+            self._verify(loc, sha256, where)
+        want = tuple(int(d) for d in shape)
+        dt = _as_dtype(dtype, where)
+        if loc.reader is None:
+            if packed:
+                raise WeightError(
+                    f"{where}: a file:// weight carries no GGML type, so it cannot be bound "
+                    f"packed; bind it unpacked or store it in a GGUF file"
+                )
+            stored_shape = want[::-1] if transpose else want
+            info = WeightInfo(str(loc.path), stored_shape, dt.name, None, 0, str(loc.path))
+        else:
+            info = loc.reader.info(loc.tensor or "")
+        found_type = info.storage_type or info.dtype
+        if quant is not None and quant != found_type:
+            raise WeightError(f"{where}: quant mismatch: expected {quant}, found {found_type}")
+        if packed:
+            return self._load_packed(loc, info, want, dt, transpose, where)
+        found = info.shape[::-1] if transpose else info.shape
+        if found != want:
+            note = f" (stored {info.shape}, transpose=True)" if transpose else ""
+            raise WeightError(f"{where}: shape mismatch: expected {want}, found {found}{note}")
+        out = self._bind(loc, info, dt, transpose, where)
+        logger.debug("bound %s: %s %s", where, out.dtype.name, out.shape)
+        return out
+
+    def _bind(self, loc: _Located, info: WeightInfo, dt: np.dtype[Any], transpose: bool,
+              where: str) -> np.ndarray:
+        """Read, dequantize, transpose and cast a tensor into a new aligned array, in blocks of
+        rows (:data:`BIND_BLOCK_BYTES`), releasing each block's file pages once it is read."""
+        shape = info.shape
+        out = _aligned_empty(shape[::-1] if transpose else shape, dt)
+        dest = out.T if transpose else out  # indexed like the stored tensor
+        qtype = info.quant
+        if qtype is not None and qtype in PACKABLE_TYPES and len(shape) >= 2:
+            _check_cast(np.dtype(np.float32), dt, where)
+            stored = self._stored(loc).reshape(packed_shape(qtype, shape))
+
+            def block(i: int, j: int) -> np.ndarray:
+                return dequantize(stored[i:j], qtype, (j - i, *shape[1:]))
+        else:  # plain types: a view of the file; the rare gguf.quants types: whole, at once
+            stored = self._natural(loc, shape, dt)
+            _check_cast(stored.dtype, dt, where)
+            _check_int_range(stored, dt, where)
+
+            def block(i: int, j: int) -> np.ndarray:
+                return stored[i:j]
+        if len(shape) < 2:  # small (norms, biases), or a scalar
+            dest[...] = stored
+        else:
+            step = max(1, BIND_BLOCK_BYTES // max(1, 4 * math.prod(shape[1:])))
+            for i in range(0, shape[0], step):
+                j = min(i + step, shape[0])
+                dest[i:j] = block(i, j)
+                _drop_pages(stored[i:j])
+        if loc.reader is not None:  # what the checksum or the header checks read
+            _drop_pages(self._stored(loc))
+        return out
+
+    def _verify(self, loc: _Located, sha256: str, where: str) -> None:
+        if not _SHA256.fullmatch(sha256):
+            raise WeightError(
+                f"{where}: sha256 must be 64 hex digits, found {sha256!r}; fix the spec"
+            )
+        digest = hashlib.sha256(np.ascontiguousarray(self._stored(loc)).data).hexdigest()
+        if digest != sha256.lower():
+            raise WeightError(
+                f"{where}: checksum mismatch: expected sha256 {sha256.lower()}, found {digest}; "
+                f"the file on this worker differs from the one the stage was planned with"
+            )
+
+    def _load_packed(
+        self,
+        loc: _Located,
+        info: WeightInfo,
+        want: tuple[int, ...],
+        dt: np.dtype[Any],
+        transpose: bool,
+        where: str,
+    ) -> np.ndarray:
+        stype = info.storage_type
+        if stype is None or stype not in PACKABLE_TYPES:
+            raise WeightError(
+                f"{where}: cannot bind packed: stored type {info.quant or info.dtype} has no "
+                f"in-graph dequantizer (packable: {', '.join(PACKABLE_TYPES)}); "
+                f"bind it unpacked"
+            )
+        if transpose:
+            raise WeightError(
+                f"{where}: transpose=True cannot apply to packed blocks (they run along the last "
+                f"axis); transpose in-graph after dequantizing, or bind unpacked"
+            )
+        if dt != np.uint8:
+            raise WeightError(
+                f"{where}: dtype mismatch: expected {dt.name}, found uint8 (a packed weight binds "
+                f"its raw {stype} blocks); set dtype 'uint8' in the spec or bind unpacked"
+            )
+        found = packed_shape(stype, info.shape)
+        if found != want:
+            raise WeightError(
+                f"{where}: shape mismatch: expected {want}, found {found} (packed {stype} bytes "
+                f"of logical shape {info.shape})"
+            )
+        raw = np.asarray(self._stored(loc)).reshape(found)
+        out = _aligned_empty(found, dt)
+        out[...] = raw
+        _drop_pages(raw)
+        logger.debug("bound %s packed: %s %s", where, stype, found)
+        return out
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def drop_readers(self) -> None:
+        """Forget the parsed files and their memory maps, but stay usable.
+
+        A worker calls this once a stage is bound: the maps (and the header pages and parsed
+        metadata they hold) go once no array views of them remain, and the next bind parses the
+        files again. Unlike :meth:`close`, later calls resolve weights as before.
+        """
+        with self._lock:
+            self._readers.clear()
+            self._indexes.clear()
+
+    def close(self) -> None:
+        """Drop every reader. Arrays already returned stay valid (they keep their maps alive)."""
+        with self._lock:
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
+            self._indexes.clear()
+            self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        roots = [str(r) for r in self._roots]
+        return f"WeightCache(roots={roots}, open_files={len(self._readers)})"
+

@@ -1,0 +1,200 @@
+"""Weight addresses: URIs, what they point at, and the roots they must stay under.
+
+A weight URI names one tensor in a file on the worker's disk:
+
+* ``gguf://PATH#TENSOR`` - a tensor of a GGUF file,
+* ``safetensors://PATH#TENSOR`` - a tensor of a ``.safetensors`` file, of a sharded checkpoint's
+  ``model.safetensors.index.json``, or of a checkpoint directory,
+* ``file://PATH`` - a raw little-endian array whose shape and dtype the spec gives.
+
+``PATH`` is relative to a weights root (``gguf://models/m.gguf#tok_embd.weight``) or absolute
+(``gguf:///srv/models/m.gguf#tok_embd.weight``); either way it must resolve, after following
+symlinks, to a file under one of the worker's ``--weights-root`` directories. The first ``#``
+separates the path from the tensor name, so a path cannot contain ``#``. No percent-decoding is
+done: the path is used as written.
+
+:class:`WeightInfo` lives here rather than in ``cache.py`` because every format reader builds it and
+the cache imports the readers; keeping it beside the URI keeps imports one-way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxdist.core.errors import WeightError
+
+__all__ = ["SCHEMES", "WeightInfo", "WeightURI", "parse_uri", "resolve_path"]
+
+logger = logging.getLogger(__name__)
+
+SCHEMES: tuple[str, ...] = ("gguf", "safetensors", "file")
+
+# Element dtypes that a packed bind can carry, by numpy name -> GGML type name.
+_PLAIN_STORAGE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+@dataclass(frozen=True)
+class WeightURI:
+    """A parsed weight URI.
+
+    Attributes:
+        scheme: ``"gguf"``, ``"safetensors"`` or ``"file"``.
+        path: the path as written in the URI (relative to a root, or absolute).
+        tensor: the tensor name after ``#``; ``None`` for ``file://`` or a bare file reference.
+    """
+
+    scheme: str
+    path: str
+    tensor: str | None = None
+
+    def __str__(self) -> str:
+        tail = f"#{self.tensor}" if self.tensor is not None else ""
+        return f"{self.scheme}://{self.path}{tail}"
+
+    def require_tensor(self) -> str:
+        """Return the tensor name, or raise if the URI has none.
+
+        Raises:
+            WeightError: the URI has no ``#TENSOR`` part.
+        """
+        if not self.tensor:
+            raise WeightError(
+                f"weight URI '{self}' names no tensor: expected '{self.scheme}://PATH#TENSOR'; "
+                f"add '#' and the tensor name (list them with describe_weights)"
+            )
+        return self.tensor
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    """What a file says about one stored tensor (read from headers only).
+
+    Attributes:
+        name: the tensor name inside its file.
+        shape: logical element shape in NumPy (row-major) order; GGUF's reversed dims are undone.
+        dtype: NumPy name of the stored element type (``"float16"``, ``"bfloat16"``, ``"int64"``);
+            ``"float32"`` for quantized GGUF tensors, which dequantize to float32.
+        quant: GGML type name of a quantized tensor (``"Q4_1"``), ``None`` for plain element types.
+        nbytes: bytes the tensor occupies in the file.
+        path: real path of the file holding the tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    quant: str | None
+    nbytes: int
+    path: str
+
+    @property
+    def storage_type(self) -> str | None:
+        """The GGML type name of the stored bytes (``"Q8_0"``, ``"F16"``), or ``None`` if not float.
+
+        This is the ``qtype`` to pass to :func:`jaxdist.core.quant.dequantize` for packed bytes.
+        """
+        return self.quant if self.quant is not None else _PLAIN_STORAGE.get(self.dtype)
+
+
+def parse_uri(uri: str) -> WeightURI:
+    """Parse ``gguf://PATH#TENSOR``, ``safetensors://PATH#TENSOR`` or ``file://PATH``.
+
+    Args:
+        uri: the URI text.
+
+    Returns:
+        The parsed :class:`WeightURI`. The tensor part may be absent; readers that need one call
+        :meth:`WeightURI.require_tensor`.
+
+    Raises:
+        WeightError: unknown scheme, empty path, empty tensor after ``#``, or a tensor on
+            ``file://``.
+
+    Example:
+        >>> parse_uri("gguf://models/m.gguf#blk.0.attn_q.weight")
+        WeightURI(scheme='gguf', path='models/m.gguf', tensor='blk.0.attn_q.weight')
+    """
+    if not isinstance(uri, str):
+        raise WeightError(f"weight URI must be a string, found {type(uri).__name__}: {uri!r}")
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in SCHEMES:
+        found = f"scheme '{scheme}'" if sep else "no scheme"
+        raise WeightError(
+            f"weight URI '{uri}': expected a scheme of {', '.join(s + '://' for s in SCHEMES)}, "
+            f"found {found}; write e.g. 'gguf://model.gguf#token_embd.weight'"
+        )
+    path, hash_sign, tensor = rest.partition("#")
+    if not path:
+        raise WeightError(f"weight URI '{uri}': the path is empty; expected '{scheme}://PATH...'")
+    if scheme == "file" and hash_sign:
+        raise WeightError(
+            f"weight URI '{uri}': file:// holds one raw array and takes no '#TENSOR' part, "
+            f"found '#{tensor}'; remove it"
+        )
+    if hash_sign and not tensor:
+        raise WeightError(
+            f"weight URI '{uri}': the tensor name after '#' is empty; "
+            f"expected '{scheme}://PATH#TENSOR'"
+        )
+    return WeightURI(scheme, path, tensor if hash_sign else None)
+
+
+def _real_roots(roots: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    return [Path(os.path.realpath(r)) for r in roots]
+
+
+def resolve_path(
+    path: str | os.PathLike[str],
+    roots: Sequence[str | os.PathLike[str]],
+    *,
+    uri: str | None = None,
+) -> Path:
+    """Resolve ``path`` to a real path that lies under one of ``roots``.
+
+    A relative path is tried against each root in order and the first existing candidate wins. An
+    absolute path is taken as is. In both cases the real path (symlinks and ``..`` resolved) must
+    lie under the real path of some root; otherwise the path is refused, whether or not it exists,
+    so refusals reveal nothing about files outside the roots.
+
+    Args:
+        path: the path from a URI.
+        roots: the allowed weight roots (the worker's ``--weights-root`` directories).
+        uri: the URI the path came from, for error messages (defaults to ``path``).
+
+    Returns:
+        The real path of the file or directory.
+
+    Raises:
+        WeightError: no roots, a path that escapes every root, or no such file.
+    """
+    where = uri if uri is not None else str(path)
+    if not roots:
+        raise WeightError(
+            f"weight '{where}': no weight roots are configured, so every path is refused; "
+            f"pass --weights-root DIR to the worker (or roots=[DIR] to WeightCache)",
+            code="PERMISSION_DENIED",
+        )
+    real_roots = _real_roots(roots)
+    given = Path(path)
+    candidates = [given] if given.is_absolute() else [Path(r) / given for r in roots]
+    for candidate in candidates:
+        real = Path(os.path.realpath(candidate))
+        if not any(real.is_relative_to(root) for root in real_roots):
+            raise WeightError(
+                f"weight '{where}': path '{path}' resolves to '{real}', which is outside the "
+                f"weight roots {[str(r) for r in real_roots]}; move or link the file under a root "
+                f"(links must not point outside it) or add its directory with --weights-root",
+                code="PERMISSION_DENIED",
+            )
+        if real.exists():
+            logger.debug("resolved %s -> %s", where, real)
+            return real
+    looked = ", ".join(str(c) for c in candidates)
+    raise WeightError(
+        f"weight '{where}': file not found; looked for {looked}; check the path in the URI and "
+        f"the --weights-root directories",
+        code="NOT_FOUND",
+    )

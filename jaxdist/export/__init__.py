@@ -1,0 +1,7 @@
+"""The export side: a model description turned into stage artifacts.
+
+:mod:`~jaxdist.export.model` (Model, Unit, Param) is what an exporter plugin returns;
+:mod:`~jaxdist.export.plugins` finds the plugin for a checkpoint; :mod:`~jaxdist.export.partition`
+splits units into stages; :mod:`~jaxdist.export.stages` traces each stage with ``jax.export``
+into a StageSpec. Imports only the core, never gRPC.
+"""

@@ -1,0 +1,134 @@
+"""Find the exporter for a model file: exporters are plugins, found through entry points.
+
+``jaxdist`` never imports its exporters (imports run one way). Each exporter registers itself in
+the ``jaxdist.exporters`` entry-point group of its distribution's metadata, naming the
+architectures it handles; ``jaxdist``'s own exporters are registered in ``pyproject.toml`` the same
+way a third-party package would register its own::
+
+    [project.entry-points."jaxdist.exporters"]
+    llama = "jaxdist.exporters.llama:EXPORTER"
+
+An exporter is any object with ``name``, ``architectures`` and
+``load(path, *, roots, **options) -> LoadedModel``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+from jaxdist.core.errors import SpecError, WeightError
+from jaxdist.core.weights.gguf import metadata as gguf_metadata
+from jaxdist.export.model import Model
+
+__all__ = ["Exporter", "LoadedModel", "architecture_of", "find_exporter", "load_model"]
+
+log = logging.getLogger(__name__)
+
+GROUP = "jaxdist.exporters"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to deploy, with what a caller needs to drive it.
+
+    Attributes:
+        model: the units and their weight URIs.
+        kind: ``"causal-lm"`` (step contract of :mod:`jaxdist.coordinator.generation`) or ``"encoder"``.
+        tokenizer: an object with ``encode``/``decode`` (or ``None``).
+        architecture: the architecture name read from the file.
+        options: generation settings (``max_slots``, ``max_seq``, ``prefill_buckets``,
+            ``eos_ids``) or encoder settings.
+    """
+
+    model: Model
+    kind: str
+    tokenizer: Any | None
+    architecture: str
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Exporter(Protocol):
+    name: str
+    architectures: frozenset[str]
+
+    def load(self, path: str, *, roots: Sequence[str], **options: Any) -> LoadedModel: ...
+
+
+def architecture_of(path: str | os.PathLike[str]) -> str:
+    """The architecture of a model file or directory, from its metadata only.
+
+    GGUF: ``general.architecture``. HF directory: ``config.json`` ``architectures[0]`` (or
+    ``model_type``).
+
+    Raises:
+        SpecError: the path does not exist or carries no architecture.
+    """
+    p = pathlib.Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        try:
+            arch = gguf_metadata(p).get("general.architecture")
+        except WeightError as exc:
+            raise SpecError(f"model {p}: not a readable GGUF file: {exc}") from None
+        if not arch:
+            raise SpecError(f"model {p}: GGUF metadata has no general.architecture")
+        return str(arch)
+    config = p / "config.json" if p.is_dir() else p.parent / "config.json"
+    if not p.exists():
+        raise SpecError(f"model {p}: no such file or directory")
+    if not config.is_file():
+        raise SpecError(f"model {p}: expected a .gguf file or a directory with config.json")
+    data = json.loads(config.read_text())
+    archs = data.get("architectures") or [data.get("model_type", "")]
+    if not archs or not archs[0]:
+        raise SpecError(f"model {p}: config.json names no architecture")
+    return str(archs[0])
+
+
+def _registered() -> list[Exporter]:
+    found = []
+    for ep in entry_points(group=GROUP):
+        try:
+            found.append(ep.load())
+        except Exception as exc:  # a broken plugin must not hide the others
+            log.warning("exporter plugin %s failed to load: %s", ep.name, exc)
+    return found
+
+
+def find_exporter(architecture: str) -> Exporter:
+    """The registered exporter for an architecture.
+
+    Raises:
+        SpecError: no exporter handles it; the message lists the supported architectures.
+    """
+    exporters = _registered()
+    for exp in exporters:
+        if architecture in exp.architectures:
+            return exp
+    known = sorted(a for e in exporters for a in e.architectures)
+    raise SpecError(f"unsupported architecture {architecture!r}; installed exporters handle: "
+                    f"{', '.join(known) or 'none'}")
+
+
+def load_model(path: str | os.PathLike[str], *, roots: Sequence[str], **options: Any
+               ) -> LoadedModel:
+    """Describe a model file with the exporter for its architecture (metadata only).
+
+    Args:
+        path: a model file or directory; a relative path is looked up under ``roots`` (and is
+            kept relative in the weight URIs, so workers may hold the model elsewhere).
+        roots: weight roots.
+        options: passed to the exporter (``max_seq``, ``dtype``, ...).
+    """
+    local = pathlib.Path(path)
+    if not local.is_absolute():
+        local = next((pathlib.Path(r) / path for r in roots if (pathlib.Path(r) / path).exists()),
+                     local)
+    arch = architecture_of(local)
+    return find_exporter(arch).load(str(path), roots=roots, **options)
