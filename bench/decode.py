@@ -176,16 +176,12 @@ def smollm2_path() -> pathlib.Path:
 # Building the configurations
 
 
-def _generator(pipe: Any, loaded: Any, depth: int = 1) -> Any:
+def _generator(pipe: Any, loaded: Any) -> Any:
     from jaxdist.coordinator.generation import Generator
 
-    o = loaded.options
-    # depth = stages: with several sequences, every stage works on a different part of the
-    # batch at once; with one sequence it changes nothing.
-    return Generator(pipe, input_dtypes={k: v[1] for k, v in loaded.model.inputs.items()},
-                     max_slots=o["max_slots"], max_seq=o["max_seq"],
-                     prefill_buckets=o["prefill_buckets"], eos_ids=o.get("eos_ids", ()),
-                     depth=depth)
+    # depth = stages (1 in process): with several sequences, every stage works on a different
+    # part of the batch at once; with one sequence it changes nothing.
+    return Generator.for_model(pipe, loaded.causal_lm)
 
 
 def _build_single(loaded: Any, root: str) -> Config:
@@ -209,7 +205,7 @@ def _build_workers(loaded: Any, root: str, n: int) -> Config:
     except BaseException:
         cluster.close()
         raise
-    cfg = Config(f"{n}w", pipe, _generator(pipe, loaded, depth=n), cluster,
+    cfg = Config(f"{n}w", pipe, _generator(pipe, loaded), cluster,
                  setup_s=time.perf_counter() - t0, idle_rss=idle)
     _note(f"{n}w: spawned and deployed in {cfg.setup_s:.1f}s")
     return cfg

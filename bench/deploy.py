@@ -59,18 +59,17 @@ def _one(pub: Any, prompt: list[int], caches: dict[str, str], root: str) -> dict
     """Start 2 workers on ``caches``, deploy, generate one token; times from the deploy call."""
     from jaxdist.coordinator.cluster import Cluster
     from jaxdist.coordinator.generation import Generator, SamplingParams
+    from jaxdist.export.causal_lm import CausalLM
 
     m = pub.manifest
-    o = m.model.options
+    lm = CausalLM.from_options(m.model.options, inputs=m.model.inputs,
+                               source=f"manifest {pub.location}: model")
     with Cluster.local(2, weights_roots=[root], pin_cpus=[0, 1] if os.cpu_count() == 2 else None,
                        **caches) as cluster:
         t0 = time.perf_counter()
         pipe = cluster.deploy_manifest(m, registry=pub.registry)
         ready = time.perf_counter() - t0
-        gen = Generator(pipe, input_dtypes={k: v[1] for k, v in m.model.inputs.items()},
-                        max_slots=o["max_slots"], max_seq=o["max_seq"],
-                        prefill_buckets=tuple(o["prefill_buckets"]),
-                        eos_ids=tuple(o["eos_ids"]))
+        gen = Generator.for_model(pipe, lm, depth=1)  # one prompt, one token: nothing to overlap
         (result,) = gen.run([prompt], SamplingParams(max_tokens=1))
         first = time.perf_counter() - t0
         loads = cluster.stage_loads(pipe.pipeline_id)

@@ -134,16 +134,12 @@ def measure_smollm2(quick: bool) -> tuple[list[dict[str, Any]], dict[str, int], 
     root = str(path.parent)
     loaded = load_model(path.name, roots=[root], **SMOLLM2_OPTIONS)
     tok = loaded.tokenizer
-    o = loaded.options
     t0 = time.perf_counter()
     with Cluster.local(2, weights_roots=[root]) as cluster:
         time.sleep(1.0)  # let the fresh workers finish importing before the idle reading
         idle = _idle(cluster)
         pipe = cluster.deploy(loaded.model, stages=2, platforms=("cpu",))
-        gen = Generator(pipe, input_dtypes={k: v[1] for k, v in loaded.model.inputs.items()},
-                        max_slots=o["max_slots"], max_seq=o["max_seq"],
-                        prefill_buckets=o["prefill_buckets"], eos_ids=o.get("eos_ids", ()),
-                        depth=2)
+        gen = Generator.for_model(pipe, loaded.causal_lm)  # depth 2: one step per stage
         n = 8 if quick else 32
         (r1,) = gen.run([tok.encode(PROMPTS[0])], SamplingParams(max_tokens=n, ignore_eos=True))
         gen.run([tok.encode(p) for p in PROMPTS], SamplingParams(max_tokens=n, ignore_eos=True))

@@ -131,11 +131,7 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
     t_setup = time.perf_counter()
     with Cluster.local(2, weights_roots=[root]) as cluster:
         pipe = cluster.deploy(loaded.model, stages=2, platforms=("cpu",))
-        o = loaded.options
-        gen = Generator(pipe, input_dtypes={k: v[1] for k, v in loaded.model.inputs.items()},
-                        max_slots=o["max_slots"], max_seq=o["max_seq"],
-                        prefill_buckets=o["prefill_buckets"], eos_ids=o.get("eos_ids", ()),
-                        depth=2)
+        gen = Generator.for_model(pipe, loaded.causal_lm)  # depth 2: one step per stage
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         note(f"deployed in {time.perf_counter() - t_setup:.1f}s; generating for {minutes:g} min")
         sampler = Sampler(cluster, opts.interval)

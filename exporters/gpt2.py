@@ -37,6 +37,7 @@ from jaxdist.core.weights import WeightInfo
 from jaxdist.core.weights.gguf import metadata as gguf_metadata
 from jaxdist.core.weights.uri import resolve_path
 from jaxdist.export.buckets import step_buckets
+from jaxdist.export.causal_lm import CausalLM
 from jaxdist.export.model import Model, Param, Unit
 from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
@@ -345,10 +346,13 @@ class _GPT2Exporter:
         if tokenizer is not None:
             eos.update(dict.fromkeys(sorted(tokenizer.eos_ids)))
         arch = "gpt2" if Path(path).suffix == ".gguf" else "GPT2LMHeadModel"
+        meta = model.meta
+        lm = CausalLM(max_slots=meta["max_slots"], max_seq=meta["max_seq"],
+                      prefill_buckets=meta["prefill_buckets"],
+                      input_dtypes={k: dtype for k, (_, dtype) in model.inputs.items()},
+                      eos_ids=tuple(eos))
         return LoadedModel(model, kind="causal-lm", tokenizer=tokenizer, architecture=arch,
-                           options={k: model.meta[k] for k in ("max_slots", "max_seq",
-                                                                "prefill_buckets")}
-                           | {"eos_ids": tuple(eos)})
+                           causal_lm=lm)
 
 
 EXPORTER = _GPT2Exporter()

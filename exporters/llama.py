@@ -49,6 +49,7 @@ from jaxdist.core.errors import SpecError
 from jaxdist.core.kernels import ops
 from jaxdist.core.weights import WeightInfo
 from jaxdist.export.buckets import step_buckets
+from jaxdist.export.causal_lm import CausalLM
 from jaxdist.export.model import Model, Unit
 from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
@@ -408,12 +409,16 @@ class _LlamaExporter:
         root_path = next((Path(r) / path for r in roots if (Path(r) / path).exists()), Path(path))
         meta = model.meta
         tokenizer = load_tokenizer(root_path)
-        options = {k: meta[k] for k in ("max_slots", "max_seq", "prefill_buckets", "bos_id")}
         # The tokenizer may know more end-of-generation ids than the config (e.g. <|endoftext|>
         # beside <|im_end|>), as llama.cpp does.
         extra = tokenizer.eos_ids if tokenizer is not None else ()
-        options["eos_ids"] = tuple(dict.fromkeys([*meta["eos_ids"], *sorted(extra)]))
-        return LoadedModel(model, "causal-lm", tokenizer, meta["config"].arch, options)
+        lm = CausalLM(max_slots=meta["max_slots"], max_seq=meta["max_seq"],
+                      prefill_buckets=meta["prefill_buckets"],
+                      input_dtypes={k: dtype for k, (_, dtype) in model.inputs.items()},
+                      eos_ids=tuple(dict.fromkeys([*meta["eos_ids"], *sorted(extra)])),
+                      # informational (nothing reads it), recorded since the first manifests
+                      extra={"bos_id": meta["bos_id"]})
+        return LoadedModel(model, "causal-lm", tokenizer, meta["config"].arch, causal_lm=lm)
 
 
 EXPORTER = _LlamaExporter()

@@ -75,7 +75,7 @@ def test_meta_names_in_call_order(artifact: Artifact) -> None:
     assert [t.name for t in meta.state] == ["steps"]
     assert [t.name for t in meta.inputs] == ["x", "mask"]
     assert [t.name for t in meta.outputs] == ["hidden", "argmax"]
-    assert meta.inputs[0].dims == ("b", "s", "512")
+    assert meta.inputs[0].dims == ("b", "s", 512)  # a constant dim is an int, as in a StageSpec
     assert meta.inputs[1].dims == ("b", "s")
     assert (meta.outputs[1].dtype, meta.outputs[1].dims) == ("int32", ("b", "s"))
     assert meta.state[0].dims == ()

@@ -95,6 +95,19 @@ def test_error_prompt_ids_not_integers(tmp_path):
     _assert_one_line_error(proc, "--prompt-ids expects comma-separated integers")
 
 
+def test_error_manifest_with_bad_causal_lm_options(tmp_path):
+    """An old manifest whose model.options are damaged: named before any worker starts."""
+    testdata = pathlib.Path(__file__).resolve().parent / "testdata"
+    doc = json.loads(next((testdata / "golden" / "manifests").glob("*.json")).read_text())
+    doc["model"] = json.loads((testdata / "causal_lm" / "smollm2.model.json").read_text())
+    doc["model"]["options"]["max_seq"] = "512"
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(doc))
+    proc = _jaxdist("generate", "--manifest", str(path), "--prompt-ids", "1")
+    _assert_one_line_error(proc, f"manifest {path}: model.options.max_seq: expected an integer "
+                                 f">= 1, found '512' (str)")
+
+
 @pytest.mark.slow
 def test_embed_minilm_across_workers_matches_sentence_transformers():
     import importlib.util

@@ -45,13 +45,26 @@ def _make_golden() -> Any:
 golden = _make_golden()
 
 
-@pytest.fixture(scope="module")
-def manifest() -> Manifest:
-    (path,) = (GOLDEN / "manifests").glob("*.json")
+GOLDENS = {1: GOLDEN, 2: TESTDATA / "golden-v2"}  # manifest version -> registry written then
+
+
+def _open_golden(root: pathlib.Path) -> Manifest:
+    (path,) = (root / "manifests").glob("*.json")
     m, digest, store = open_manifest(str(path))
     assert digest == f"sha256:{path.stem.rsplit('-', 1)[1]}"
-    assert pathlib.Path(store.location) == GOLDEN
+    assert pathlib.Path(store.location) == root
     return m
+
+
+@pytest.fixture(scope="module")
+def manifest() -> Manifest:
+    """The oldest golden manifest (version 1)."""
+    return _open_golden(GOLDEN)
+
+
+@pytest.fixture(scope="module", params=sorted(GOLDENS), ids=lambda v: f"manifest-v{v}")
+def golden_version(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
 
 
 def _inputs(n: int = 2) -> list[np.ndarray]:
@@ -65,19 +78,34 @@ def _assert_matches(outs: list[dict[str, np.ndarray]]) -> None:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
 
 
-def test_golden_manifest_reads(manifest: Manifest) -> None:
-    assert manifest.manifest_version == 1
+def test_golden_manifest_reads(golden_version: int) -> None:
+    root = GOLDENS[golden_version]
+    manifest = _open_golden(root)
+    assert manifest.manifest_version == golden_version
     assert [list(s.units) for s in manifest.stages] == [["l0"], ["l1", "acc"]]
     assert manifest.weight_uris[0] == "safetensors://{model}#l0.w"
-    reg = LocalRegistry(GOLDEN, create=False)
+    reg = LocalRegistry(root, create=False)
     for stage in manifest.stages:
         assert digest_of(reg.get(stage.digest)) == stage.digest  # bytes intact
         assert reg.meta(stage.digest)["jax_version"] == manifest.versions["jax"]
 
 
-def test_golden_runs_in_process(manifest: Manifest, tmp_path: pathlib.Path) -> None:
+def test_golden_manifests_describe_the_same_model() -> None:
+    """Each format version reads to the same stages: the same signatures, weights, state and
+    buckets (the artifacts differ only by the jax that wrote them)."""
+    def shape_of(m: Manifest) -> list[tuple[object, ...]]:
+        return [(s.spec.inputs, s.spec.outputs, s.spec.weights, s.spec.state, s.spec.buckets,
+                 s.spec.stage_index, s.spec.num_stages, s.spec.device) for s in m.stages]
+    first, *later = (_open_golden(GOLDENS[v]) for v in sorted(GOLDENS))
+    for m in later:
+        assert shape_of(m) == shape_of(first)
+
+
+def test_golden_runs_in_process(golden_version: int, tmp_path: pathlib.Path) -> None:
+    root = GOLDENS[golden_version]
+    manifest = _open_golden(root)
     golden.write_weights(tmp_path)
-    reg = LocalRegistry(GOLDEN, create=False)
+    reg = LocalRegistry(root, create=False)
     cache = WeightCache([str(tmp_path)])
     stages = [WorkerStage.load(spec.replace(device="cpu", stage_id=f"golden/{k}"),
                                artifact=reg.get(spec.artifact_digest), cache=cache)
@@ -93,10 +121,11 @@ def test_golden_runs_in_process(manifest: Manifest, tmp_path: pathlib.Path) -> N
     _assert_matches(outs)
 
 
-def test_golden_runs_on_workers(manifest: Manifest, cluster3: Cluster,
+def test_golden_runs_on_workers(golden_version: int, cluster3: Cluster,
                                 mlp_root: pathlib.Path) -> None:
+    root = GOLDENS[golden_version]
     golden.write_weights(mlp_root)  # the shared workers' weights root
-    with cluster3.deploy_manifest(manifest, registry=str(GOLDEN)) as pipe:
+    with cluster3.deploy_manifest(_open_golden(root), registry=str(root)) as pipe:
         with pipe.session() as session:
             outs = [session(x=x) for x in _inputs()]
     _assert_matches(outs)

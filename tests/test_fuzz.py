@@ -910,7 +910,7 @@ def test_error_spec_dim_not_ascii_integer(dim: str) -> None:
 @pytest.mark.parametrize("dim, value", [("0", 0), ("32", 32), ("-4", -4), ("9" * 18, int("9" * 18)),
                                         ("b", "b"), ("²", "²")])
 def test_parse_dim(dim: str, value: int | str) -> None:
-    from jaxdist.core.spec import parse_dim
+    from jaxdist.core.dims import parse_dim
     assert parse_dim(dim) == value and type(parse_dim(dim)) is type(value)
 
 

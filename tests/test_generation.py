@@ -15,6 +15,8 @@ from models import save_tiny_llama  # noqa: E402
 from jaxdist.coordinator.generation import Generator, SamplingParams  # noqa: E402
 from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
 from jaxdist.core.errors import SpecError  # noqa: E402
+from jaxdist.export.causal_lm import CausalLM  # noqa: E402
+from jaxdist.export.plugins import load_model  # noqa: E402
 from jaxdist.exporters.llama import llama_model  # noqa: E402
 
 pytestmark = pytest.mark.reference
@@ -131,3 +133,74 @@ def test_pipelined_steps_across_real_workers_match_transformers(tiny, tmp_path_f
         results = deep.run(PROMPTS[:5], [SamplingParams(max_tokens=n) for n in lengths])
     for prompt, n, res in zip(PROMPTS, lengths, results):
         assert res.tokens == _hf_greedy(hf, prompt, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator.for_model: the one constructor the CLI and the benchmarks use
+
+
+def test_for_model_drives_an_exported_model_like_transformers(tiny):
+    """The settings come from the exporter's contract (load_model), not from the caller."""
+    hf, gen = tiny
+    root = gen.pipeline.cache.roots[0]
+    loaded = load_model("llama", roots=[root], max_slots=4, max_seq=64, prefill_buckets=(8,))
+    lm = loaded.causal_lm
+    assert lm is not None and lm.input_dtypes == gen.dtypes
+    engine = Generator.for_model(gen.pipeline, lm, tokenizer=loaded.tokenizer)
+    assert (engine.max_slots, engine.max_seq, engine.buckets, engine.dtypes, engine.eos_ids,
+            engine.decode, engine.depth, engine.max_failovers) == (
+        4, 64, [8], gen.dtypes, frozenset(lm.eos_ids), None, 1, 3)  # in process: depth 1
+    results = engine.run(PROMPTS[:3], SamplingParams(max_tokens=6, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results):
+        assert res.tokens == _hf_greedy(hf, prompt, 6)
+
+
+class _Deployed:
+    """Stands in for a deployed Pipeline: for_model looks only at its stage specs."""
+
+    def __init__(self, stages: int) -> None:
+        self.specs = [object()] * stages
+
+    def submit(self, inputs, *, session_id="", step=0):
+        raise AssertionError("not run")
+
+    def end_session(self, session_id):
+        return 0
+
+
+class _Letters:
+    def decode(self, ids):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+LM = CausalLM(max_slots=2, max_seq=32, prefill_buckets=(16, 8), eos_ids=(3, 1),
+              input_dtypes={"tokens": "int32", "slot": "int32", "pos": "int32",
+                            "length": "int32"})
+
+
+def test_for_model_takes_every_setting_from_the_contract():
+    tok = _Letters()
+    engine = Generator.for_model(_Deployed(3), LM, tokenizer=tok, max_failovers=0)
+    assert (engine.max_slots, engine.max_seq, engine.buckets, engine.eos_ids, engine.dtypes) == (
+        2, 32, [8, 16], frozenset({1, 3}), dict(LM.input_dtypes))
+    assert engine.decode == tok.decode and engine.max_failovers == 0
+    assert engine.depth == 3  # one step in flight per stage, as `jaxdist generate` always did
+    assert Generator.for_model(_Deployed(3), LM, depth=1).depth == 1
+    assert Generator.for_model(_Deployed(3), LM).decode is None
+
+
+def test_for_model_matches_the_constructor_it_replaces():
+    """What the CLI and benchmarks built by hand from ``options``, for_model builds from LM."""
+    pipe, tok = _Deployed(2), _Letters()
+    o = LM.to_options()
+    by_hand = Generator(pipe, input_dtypes=dict(LM.input_dtypes), max_slots=o["max_slots"],
+                        max_seq=o["max_seq"], prefill_buckets=tuple(o["prefill_buckets"]),
+                        eos_ids=tuple(o.get("eos_ids", ())), decode=tok.decode,
+                        depth=len(pipe.specs))
+    engine = Generator.for_model(pipe, LM, tokenizer=tok)
+    assert vars(engine) == vars(by_hand)
+
+
+def test_error_for_model_on_a_pipeline_without_stages():
+    with pytest.raises(SpecError, match="depth must be >= 1, got 0"):
+        Generator.for_model(_Deployed(0), LM)

@@ -23,10 +23,10 @@ from jaxdist.coordinator.cluster import Cluster
 from jaxdist.coordinator.spawn import spawn_workers, stop_workers
 from jaxdist.core import artifacts
 from jaxdist.core.errors import LimitError, RemoteStageError, SessionError
+from jaxdist.core.sessions import SessionStore
 from jaxdist.export.model import Model, Unit
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
-from jaxdist.worker.sessions import SessionStore
 
 ARTIFACT_LIMIT = 64 << 10
 FRAME_LIMIT = 64 << 10

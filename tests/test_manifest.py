@@ -9,19 +9,23 @@ import pathlib
 import jax
 import jaxlib
 import pytest
+from google.protobuf import json_format
 from models import mlp
 
 import jaxdist
 from jaxdist.core.errors import ArtifactError, SpecError
 from jaxdist.core.spec import SPEC_VERSION, ShapeBucket, StageSpec, StateSig, TensorSig, WeightRef
+from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.registry.manifest import (
     MANIFEST_VERSION,
     PLACEMENT_FIELDS,
+    SUPPORTED_MANIFEST_VERSIONS,
     Manifest,
     ManifestStage,
     ModelInfo,
-    _spec_from_dict,
-    _spec_to_dict,
+    _spec_from_json,
+    _spec_from_v1,
+    _spec_to_json,
     open_manifest,
     relative_uri,
     resolve_uri,
@@ -51,12 +55,32 @@ def _full_spec() -> StageSpec:
 
 def test_every_spec_field_but_placement_is_written() -> None:
     spec = _full_spec()
-    back = _spec_from_dict(json.loads(json.dumps(_spec_to_dict(spec))))
+    back = _spec_from_json(json.loads(json.dumps(_spec_to_json(spec))))
     placement = {f: getattr(StageSpec(DIGEST, (), ()), f) for f in PLACEMENT_FIELDS}
     assert back == spec.replace(**placement)
     # A new StageSpec field must be written by the manifest or declared placement.
-    written = set(_spec_to_dict(spec)) | PLACEMENT_FIELDS
+    written = set(_spec_to_json(spec)) | PLACEMENT_FIELDS
     assert {f.name for f in dataclasses.fields(StageSpec)} == written
+    # The manifest's spec is the protobuf's own JSON: the wire schema parses it unchanged.
+    msg = json_format.ParseDict(_spec_to_json(spec), pb.StageSpec())
+    assert StageSpec.from_proto(msg).replace(device="auto") == back
+
+
+def test_version_1_specs_still_read() -> None:
+    """Manifest version 1 wrote its own dict form of a spec; it reads as the same spec."""
+    spec = _full_spec()
+    v1 = {"spec_version": spec.spec_version, "model": spec.model, "stage_index": 1,
+          "num_stages": 3, "artifact_digest": DIGEST, "platforms": ["cpu", "cuda"],
+          "versions": dataclasses.asdict(spec.versions),
+          "inputs": [{"name": "x", "dtype": "float32", "dims": ["b", 8]}],
+          "outputs": [{"name": "y", "dtype": "bfloat16", "dims": ["b", 8]}],
+          "state": [{"name": "k", "dtype": "float32", "shape": [2, 8]}],
+          "buckets": [{"b": 4}],
+          "weights": [{"param": "w", "uri": "gguf://{model}#blk.0.w", "shape": [8, 8],
+                       "dtype": "uint8", "sha256": "cd" * 32, "packed": True,
+                       "transpose": True, "quant": "Q8_0"}]}
+    placement = {f: getattr(StageSpec(DIGEST, (), ()), f) for f in PLACEMENT_FIELDS}
+    assert _spec_from_v1(v1) == spec.replace(**placement)
 
 
 def test_round_trip_is_byte_identical(published: Published) -> None:
@@ -122,7 +146,7 @@ def test_error_unsupported_manifest_version(published: Published) -> None:
         Manifest.from_dict(doc, source="m.json")
     msg = str(info.value)
     assert f"m.json: manifest_version {MANIFEST_VERSION + 1} is not supported" in msg
-    assert f"reads manifest versions [{MANIFEST_VERSION}]" in msg
+    assert f"reads manifest versions {list(SUPPORTED_MANIFEST_VERSIONS)}" in msg
 
 
 def test_error_malformed_field_is_named(published: Published) -> None:
@@ -131,8 +155,21 @@ def test_error_malformed_field_is_named(published: Published) -> None:
     with pytest.raises(SpecError, match=r"m\.json: stages\[1\]: StageSpec\.weights\[0\]\.uri: "
                                         r"weight URI 'ftp://model#l2\.w'"):
         Manifest.from_dict(doc, source="m.json")
+    # Proto3 JSON leaves an empty list out, so no inputs is a spec with none: refused, naming
+    # the output dim that then has no symbol to bind.
     doc = published.manifest.to_dict()
     del doc["stages"][0]["spec"]["inputs"]
+    with pytest.raises(SpecError, match=r"m\.json: stages\[0\]: StageSpec\.outputs\[0\]\.dims"
+                                        r"\[0\]: 'b' uses \['b'\], which no input binds"):
+        Manifest.from_dict(doc, source="m.json")
+    doc = published.manifest.to_dict()
+    doc["stages"][0]["spec"]["stage_index"] = "first"
+    with pytest.raises(SpecError, match=r"m\.json: stages\[0\]: spec is not a StageSpec: .*"
+                                        r"stage_index"):
+        Manifest.from_dict(doc, source="m.json")
+    # Version 1 wrote its own dict form, where a missing key is malformed.
+    doc = published.manifest.to_dict() | {"manifest_version": 1}
+    doc["stages"][0]["spec"] = {"artifact_digest": DIGEST}
     with pytest.raises(SpecError, match=r"m\.json: stages\[0\] is malformed: missing key "
                                         r"'inputs'"):
         Manifest.from_dict(doc, source="m.json")

@@ -29,6 +29,8 @@ import psutil
 import jaxdist
 from jaxdist.core import artifacts, codec, devices, heap, kernels
 from jaxdist.core.errors import ArtifactError, JaxdistError, LimitError, SessionError
+from jaxdist.core.runtime import StageRuntime, remote_error
+from jaxdist.core.sessions import SessionStore
 from jaxdist.core.spec import SPEC_VERSION, StageSpec, validate
 from jaxdist.core.stage import WorkerStage
 from jaxdist.core.store import LocalStore
@@ -39,8 +41,7 @@ from jaxdist.core.weights import WeightCache
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 from jaxdist.worker.limits import FrameBudget, default_max_kv_bytes
-from jaxdist.worker.runtime import HEARTBEAT, Hub, PeerPool, StageRuntime, remote_error
-from jaxdist.worker.sessions import SessionStore
+from jaxdist.worker.runtime import HEARTBEAT, GrpcRoute, Hub, PeerPool, Subscription
 
 __all__ = ["WorkerConfig", "WorkerServicer"]
 
@@ -260,9 +261,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                      devices=self._offered, worker=self.address)
         finally:  # the weight files' maps and parsed headers are not needed between binds
             self.cache.drop_readers()
+        route = GrpcRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub, peers=self.peers,
+                          address=self.address)
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
-                               sessions=self.sessions, hub=self.hub, peers=self.peers,
-                               address=self.address, pool=self._egress_pool)
+                               sessions=self.sessions, route=route, pool=self._egress_pool)
         with self._lock:
             old = self._stages.pop(key, None)
             self._stages[key] = runtime
@@ -364,9 +366,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _report(self, header: Any, exc: BaseException) -> None:
         err = remote_error(exc, stage=header.stage, address=self.address)
         log.info("rejected frame of session %r step %d: %s", header.session_id, header.step, exc)
-        await self.hub.publish(header.pipeline_id, header.reply_to,
-                               pb.Event(error=err, request_id=header.request_id,
-                                        session_id=header.session_id))
+        self.hub.publish(header.pipeline_id, header.reply_to,
+                         pb.Event(error=err, request_id=header.request_id,
+                                  session_id=header.session_id))
 
     async def Subscribe(self, request: bytes, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[pb.Event]:
@@ -385,6 +387,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             while True:
                 event = await q.get()
                 if event is None:
+                    if q.dropped is not None:  # it did not read: it hears why, once
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, q.dropped)
                     return
                 if event is HEARTBEAT:
                     event = pb.Event(heartbeat=time.monotonic() - self.started)
@@ -394,12 +398,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.hub.close(sub.pipeline_id, sub.reply_to, q)
 
     @staticmethod
-    async def _heartbeats(q: asyncio.Queue[Any]) -> None:
+    async def _heartbeats(q: Subscription) -> None:
         """Queue a heartbeat every HEARTBEAT_S while the subscription has nothing to send."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             if q.empty():
-                q.put_nowait(HEARTBEAT)
+                q.put(HEARTBEAT)
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import os
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ import numpy as np
 from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
 from jaxdist.coordinator.generation import Generator, SamplingParams
 from jaxdist.core.errors import JaxdistError, SpecError
+from jaxdist.export.causal_lm import CausalLM
 from jaxdist.export.plugins import load_model
 from jaxdist.registry.manifest import open_manifest
 
@@ -134,8 +135,7 @@ class _Plan:
     name: str
     roots: list[str]                                 # weight roots of --local workers
     tokenizer: Any | None
-    options: Mapping[str, Any]                       # max_slots, max_seq, prefill_buckets, ...
-    input_dtypes: dict[str, str]
+    lm: CausalLM                                     # how to drive it
     deploy: Callable[[Cluster, Any], Pipeline]       # (cluster, progress) -> pipeline
     unload: bool = True                              # unload the stages when done
 
@@ -150,10 +150,9 @@ def _model_plan(opts: argparse.Namespace) -> _Plan:
     extra = {"quantized": False} if opts.dequantize else {}
     loaded = load_model(name, roots=roots, max_seq=opts.max_seq, dtype=opts.dtype,
                         max_slots=opts.slots, prefill_buckets=buckets, **extra)
-    if loaded.kind != "causal-lm":
+    if loaded.causal_lm is None:
         raise SpecError(f"model {name} is a {loaded.kind}, not a causal LM; use jaxdist embed")
-    return _Plan(name, roots, loaded.tokenizer, loaded.options,
-                 {k: v[1] for k, v in loaded.model.inputs.items()},
+    return _Plan(name, roots, loaded.tokenizer, loaded.causal_lm,
                  lambda cluster, progress: cluster.deploy(loaded.model, stages=opts.stages,
                                                           progress=progress))
 
@@ -173,6 +172,8 @@ def _manifest_plan(opts: argparse.Namespace) -> _Plan:
     if m.kind != "causal-lm":
         raise SpecError(f"manifest {opts.manifest}: model {m.name} is a {m.kind or 'bare model'}, "
                         f"not a causal LM exported by jaxdist export")
+    lm = CausalLM.from_options(m.options, inputs=m.inputs,
+                               source=f"manifest {opts.manifest}: model")
     local = _local_model([opts.model_path, m.exported_from, m.path])
     if opts.workers:
         worker_path, roots = opts.model_path, []
@@ -197,26 +198,19 @@ def _manifest_plan(opts: argparse.Namespace) -> _Plan:
         return cluster.deploy_manifest(manifest, registry=store, model_path=worker_path,
                                        progress=progress)
 
-    return _Plan(m.name, roots, tok, m.options, {k: v[1] for k, v in m.inputs.items()}, deploy,
-                 unload=not opts.pipeline)
+    return _Plan(m.name, roots, tok, lm, deploy, unload=not opts.pipeline)
 
 
 def run_generate(opts: argparse.Namespace) -> int:
     plan = _manifest_plan(opts) if opts.manifest else _model_plan(opts)
     ids = _prompt_ids(opts, plan.tokenizer, plan.name)
     tok = plan.tokenizer
-    o = plan.options
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature,
                             top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
                             stop_strings=tuple(opts.stop))
     with open_cluster(opts, plan.roots) as cluster:
         pipe = plan.deploy(cluster, ProgressBar() if not opts.json else None)
-        gen = Generator(pipe, input_dtypes=plan.input_dtypes,
-                        max_slots=o["max_slots"], max_seq=o["max_seq"],
-                        prefill_buckets=tuple(o["prefill_buckets"]),
-                        eos_ids=tuple(o.get("eos_ids", ())),
-                        decode=tok.decode if tok is not None else None,
-                        depth=len(pipe.specs))
+        gen = Generator.for_model(pipe, plan.lm, tokenizer=tok)
         stream = tok.stream_decoder() if tok is not None and not opts.json else None
         if stream is not None and tok is not None and not opts.chat:
             sys.stdout.write(tok.decode(ids))  # echo the prompt, then stream the continuation

@@ -126,7 +126,7 @@ def _resolve(store: Registry, ref: str) -> tuple[str, str]:
 
 def _tensors(group: list[dict[str, Any]], most: int = 8) -> str:
     def one(t: dict[str, Any]) -> str:
-        return f"{t['name']} {t['dtype']}[{', '.join(t['dims'])}]"
+        return f"{t['name']} {t['dtype']}[{', '.join(str(d) for d in t['dims'])}]"
 
     if len(group) > most:
         return f"{len(group)} tensors: {one(group[0])} .. {one(group[-1])}"

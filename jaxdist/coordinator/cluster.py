@@ -74,6 +74,12 @@ class Cluster:
         credentials: TLS channel credentials.
         spares: ``HOST:PORT`` of spare workers. They get no stage at deploy; when a worker of a
             pipeline dies, :meth:`Pipeline.recover` moves its stages to a spare.
+
+    Example:
+        >>> with Cluster.local(2, weights_roots=["/srv/models"]) as cluster:  # doctest: +SKIP
+        ...     pipe = cluster.deploy(model)  # one stage per worker, balanced by weight bytes
+        ...     y = pipe.call(x=x)["x"]
+        >>> cluster = Cluster.connect("h1:50051,h2:50051", spares=["h3:50051"])  # doctest: +SKIP
     """
 
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0,

@@ -1,7 +1,9 @@
 """Token generation over a deployed causal LM: bucketed prefill, KV-cached decode, batching.
 
 The engine speaks to any pipeline with the causal-LM step contract of the exporters (see
-``exporters/llama.py``). Each step is one frame with rows ``b`` and tokens per row ``s``:
+``exporters/llama.py``); a model's :class:`~jaxdist.export.causal_lm.CausalLM` gives its
+settings (:meth:`Generator.for_model`). Each step is one frame with rows ``b`` and tokens per
+row ``s``:
 
     tokens int32 (b, s)   the step's tokens, right-padded to a bucket
     slot   int32 (b,)     the KV-cache slot of each row
@@ -34,8 +36,9 @@ import numpy as np
 
 from jaxdist.core.errors import JaxdistError, SpecError
 from jaxdist.export.buckets import decode_rows
+from jaxdist.export.causal_lm import CausalLM
 
-__all__ = ["GenerationResult", "Generator", "SamplingParams", "StepPipeline"]
+__all__ = ["Detokenizer", "GenerationResult", "Generator", "SamplingParams", "StepPipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,12 @@ class StepPipeline(Protocol):
                ) -> concurrent.futures.Future[dict[str, np.ndarray]]: ...
 
     def end_session(self, session_id: str) -> int: ...
+
+
+class Detokenizer(Protocol):
+    """What the engine needs of a tokenizer: ids -> text, for stop strings."""
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 _Step = tuple[concurrent.futures.Future[dict[str, np.ndarray]], list[tuple["_Seq", list[int]]],
@@ -168,6 +177,39 @@ class Generator:
         self.max_failovers = max_failovers
         if not self.buckets:
             raise SpecError("prefill_buckets must not be empty")
+
+    @classmethod
+    def for_model(cls, pipeline: StepPipeline, lm: CausalLM, *,
+                  tokenizer: Detokenizer | None = None, depth: int | None = None,
+                  max_failovers: int = 3) -> Generator:
+        """The engine for a deployed causal LM, configured by its contract.
+
+        This is how the CLI and the benchmarks build one; the constructor stays for tests that
+        drive a pipeline with settings of their own.
+
+        Args:
+            pipeline: the deployed pipeline of the model ``lm`` describes (or an in-process one).
+            lm: the model's contract, from its exporter (``LoadedModel.causal_lm``) or its
+                manifest (``CausalLM.from_options(manifest.model.options, inputs=...)``).
+            tokenizer: its ``decode`` serves stop strings; ``None``: no stop strings.
+            depth: steps in flight at once; default: one per stage of a deployed pipeline
+                (``len(pipeline.specs)``, pipeline parallelism), 1 for a pipeline without
+                stage specs (an in-process one, where more would gain nothing).
+            max_failovers: see :class:`Generator`.
+
+        Example:
+            >>> loaded = load_model("SmolLM2.gguf", roots=["/models"])    # doctest: +SKIP
+            >>> pipe = cluster.deploy(loaded.model, stages=2)             # doctest: +SKIP
+            >>> gen = Generator.for_model(pipe, loaded.causal_lm, tokenizer=loaded.tokenizer)
+            ... # doctest: +SKIP
+        """
+        if depth is None:
+            specs = getattr(pipeline, "specs", None)
+            depth = len(specs) if specs is not None else 1
+        return cls(pipeline, input_dtypes=lm.input_dtypes, max_slots=lm.max_slots,
+                   max_seq=lm.max_seq, prefill_buckets=lm.prefill_buckets, eos_ids=lm.eos_ids,
+                   decode=tokenizer.decode if tokenizer is not None else None, depth=depth,
+                   max_failovers=max_failovers)
 
     # -- one step ---------------------------------------------------------------------------
 

@@ -92,6 +92,11 @@ class Pipeline:
     """A deployed model: submit inputs, get outputs. Thread-safe.
 
     Created by :meth:`Cluster.deploy`. For stateful models use :meth:`session`.
+
+    Example:
+        >>> pipe = cluster.deploy(model)                                  # doctest: +SKIP
+        >>> y = pipe.call(x=x)["x"]  # one step; waits for the last stage  # doctest: +SKIP
+        >>> ys = list(pipe.stream([{"x": x}] * 16, depth=4))  # pipelined  # doctest: +SKIP
     """
 
     def __init__(self, cluster: Placement, pipeline_id: str, specs: Sequence[StageSpec],
@@ -455,7 +460,13 @@ class Pipeline:
 
 
 class Session:
-    """Consecutive steps of one sequence; its state (KV cache) stays on the workers."""
+    """Consecutive steps of one sequence; its state (KV cache) stays on the workers.
+
+    Example:
+        >>> with pipe.session() as s:  # doctest: +SKIP
+        ...     s(x=step0)             # step 0 creates the state on every worker
+        ...     y = s(x=step1)["x"]    # step 1 reads it; closing the session frees it
+    """
 
     def __init__(self, pipeline: Pipeline, session_id: str) -> None:
         self.pipeline = pipeline

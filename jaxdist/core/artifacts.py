@@ -53,13 +53,16 @@ from jax import export as jexport
 # Private jax module: the config states make exports deterministic.
 from jax._src import config as _jax_config
 
+from jaxdist.core.dims import parse_dim
 from jaxdist.core.errors import ArtifactError
+from jaxdist.core.spec import TensorSig
 from jaxdist.core.vetting import (
     DEFAULT_CUSTOM_CALL_ALLOWLIST,
     EXPORT_PLATFORMS,
     MAX_SERIALIZATION_VERSION,
     MIN_SERIALIZATION_VERSION,
-    _read_header,
+    _read_serialization_version,
+    _stablehlo_version,
     custom_call_targets,
     digest_of,
     load_artifact,
@@ -70,26 +73,11 @@ from jaxdist.core.vetting import (
 __all__ = [
     "DEFAULT_CUSTOM_CALL_ALLOWLIST", "EXPORT_PLATFORMS", "MIN_SERIALIZATION_VERSION",
     "MAX_SERIALIZATION_VERSION", "min_serialization_version", "max_serialization_version",
-    "TensorMeta", "ArtifactMeta", "Artifact", "digest_of",
+    "ArtifactMeta", "Artifact", "digest_of",
     "export_stage", "load_artifact", "custom_call_targets",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorMeta:
-    """One flat argument or result of an artifact.
-
-    Attributes:
-        name: the name in the stage's params/state/inputs/outputs dict.
-        dtype: numpy dtype name, e.g. ``"float32"``, ``"bfloat16"``.
-        dims: one string per dim; a constant as digits, a symbolic dim by its expression (``"b"``).
-    """
-
-    name: str
-    dtype: str
-    dims: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +87,9 @@ class ArtifactMeta:
     Attributes:
         platforms: platforms the module was lowered for (jax names).
         portable: lowered for cpu with the platform check disabled: runs anywhere, incl. metal.
-        params, state, inputs: the flat arguments, in call order.
+        params, state, inputs: the flat arguments, in call order, with the names the stage
+            function gave them (the artifact records only positions) and the dims jax recorded
+            (:class:`~jaxdist.core.spec.TensorSig`, the one signature type).
         outputs: the flat results before the new state, in call order.
         symbolic_constraints: constraints on the symbolic dims given at export.
         jax_version, jaxlib_version: of the exporting process.
@@ -112,10 +102,10 @@ class ArtifactMeta:
 
     platforms: tuple[str, ...]
     portable: bool
-    params: tuple[TensorMeta, ...]
-    state: tuple[TensorMeta, ...]
-    inputs: tuple[TensorMeta, ...]
-    outputs: tuple[TensorMeta, ...]
+    params: tuple[TensorSig, ...]
+    state: tuple[TensorSig, ...]
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
     symbolic_constraints: tuple[str, ...]
     jax_version: str
     jaxlib_version: str
@@ -136,8 +126,10 @@ class ArtifactMeta:
         fields = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)}}
         for key, value in fields.items():
             if key in groups:
+                # Sidecars written before 2026-12-01 hold every dim as a string ("512").
                 fields[key] = tuple(
-                    TensorMeta(t["name"], t["dtype"], tuple(t["dims"])) for t in value
+                    TensorSig(t["name"], t["dtype"], tuple(parse_dim(str(d)) for d in t["dims"]))
+                    for t in value
                 )
             elif isinstance(value, list):
                 fields[key] = tuple(value)
@@ -199,9 +191,10 @@ def _lowering(platforms: Sequence[str]) -> tuple[tuple[str, ...], bool]:
     return ("cpu",), True
 
 
-def _tensor_metas(names: Sequence[str], avals: Sequence[Any]) -> tuple[TensorMeta, ...]:
+def _signatures(names: Sequence[str], avals: Sequence[Any]) -> tuple[TensorSig, ...]:
+    """Name each flat aval: its dims as jax records them (an int, or a symbolic dim's text)."""
     return tuple(
-        TensorMeta(n, jnp.dtype(a.dtype).name, tuple(str(d) for d in a.shape))
+        TensorSig(n, jnp.dtype(a.dtype).name, tuple(parse_dim(str(d)) for d in a.shape))
         for n, a in zip(names, avals)
     )
 
@@ -244,7 +237,7 @@ def export_stage(
         ...                    params={"w": ((4, 4), "float32")},
         ...                    inputs={"x": ("b, 4", "float32")})
         >>> [t.dims for t in art.meta.outputs]
-        [('b', '4')]
+        [('b', 4)]
     """
     state = state or {}
     lowering_platforms, portable = _lowering(platforms)
@@ -313,22 +306,21 @@ def export_stage(
                                   disabled_checks=checks)(*sds["params"], *sds["state"],
                                                           *sds["inputs"])
     data = bytes(exported.serialize())
-    header = _read_header(data)
     in_names = names["params"] + names["state"] + names["inputs"]
-    in_meta = _tensor_metas(in_names, exported.in_avals)
+    in_meta = _signatures(in_names, exported.in_avals)
     meta = ArtifactMeta(
         platforms=tuple(exported.platforms),
         portable=portable,
         params=in_meta[:n_params],
         state=in_meta[n_params:n_params + n_state],
         inputs=in_meta[n_params + n_state:],
-        outputs=_tensor_metas(captured, exported.out_avals[:len(captured)]),
+        outputs=_signatures(captured, exported.out_avals[:len(captured)]),
         symbolic_constraints=tuple(symbolic_constraints),
         jax_version=jax.__version__,
         jaxlib_version=jaxlib.__version__,
-        serialization_version=header.serialization_version,
+        serialization_version=_read_serialization_version(data),
         calling_convention_version=exported.calling_convention_version,
-        stablehlo_version=header.stablehlo_version,
+        stablehlo_version=_stablehlo_version(exported, data),
         custom_call_targets=tuple(sorted(custom_call_targets(exported))),
         nr_devices=exported.nr_devices,
     )

@@ -57,8 +57,8 @@ __all__ = [
     "to_bytes",
 ]
 
-# 1 MiB chunks: gRPC Python reaches its best throughput with 1-4 MB messages on loopback
-# (DESIGN.md, measured), and it keeps every message far below the 4 MiB default limit.
+# 1 MiB chunks: on loopback, chunks of 2 to 16 MiB were no faster (docs/design.md, "Frames are
+# hand-written protobuf"), and 1 MiB keeps every message far below gRPC's 4 MiB default limit.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 # What a TensorAssembler accepts unless told otherwise (the worker's defaults too): a peer's

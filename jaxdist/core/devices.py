@@ -73,6 +73,12 @@ class DeviceDirective:
         platform: ``"auto"`` or one of :data:`PLATFORMS`.
         index: position among the local devices of ``platform``; ``None`` means the first one.
             Always ``None`` for ``auto``.
+
+    Example:
+        >>> from jaxdist import DeviceDirective
+        >>> d = DeviceDirective("cuda", 1)
+        >>> str(d), d.platform, d.index
+        ('cuda:1', 'cuda', 1)
     """
 
     platform: str
@@ -111,6 +117,13 @@ def parse_directive(text: str) -> DeviceDirective:
 
     Raises:
         DeviceError: the text is not a valid directive. ``gpu`` is refused as ambiguous.
+
+    Example:
+        >>> from jaxdist import parse_directive
+        >>> parse_directive(" CUDA:1 ")
+        DeviceDirective(platform='cuda', index=1)
+        >>> parse_directive("auto")
+        DeviceDirective(platform='auto', index=None)
     """
     if not isinstance(text, str):
         raise DeviceError(

@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 
 from jaxdist.core import codec
 from jaxdist.core.devices import parse_directive
+from jaxdist.core.dims import Dim, check_dim, parse_dim, symbols_of
 from jaxdist.core.errors import CodecError, DeviceError, SpecError, WeightError
 from jaxdist.core.weights import parse_uri
 from jaxdist.proto import jaxdist_pb2 as pb
@@ -33,7 +34,6 @@ __all__ = [
     "TensorSig",
     "Versions",
     "WeightRef",
-    "parse_dim",
     "validate",
 ]
 
@@ -48,40 +48,29 @@ __all__ = [
 SPEC_VERSION = "1.0"
 SUPPORTED_SPEC_MAJORS = (1,)
 
-# Matched with fullmatch: "$" would also accept a trailing newline. ASCII only: str.isdigit()
-# and "\d" accept other scripts' digits ("²", "٣"), which int() refuses or reads differently.
-_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+# Matched with fullmatch: "$" would also accept a trailing newline.
 _HOSTPORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):([0-9]{1,5})", re.ASCII)
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
 _SHA = re.compile(r"[0-9a-f]{64}", re.ASCII)
-# A constant dim: at most 18 digits, so it fits an int64 (and stays far below int()'s limit of
-# 4300 digits). A spec major version: at most 9.
-_INT_DIM = re.compile(r"-?[0-9]{1,18}", re.ASCII)
+# A spec major version: at most 9 digits.
 _MAJOR = re.compile(r"[0-9]{1,9}", re.ASCII)
-
-
-def parse_dim(text: str) -> int | str:
-    """A dim as written in text (a ``TensorSig`` on the wire, an artifact's metadata).
-
-    Returns:
-        an ``int`` for an ASCII decimal integer of at most 18 digits with an optional ``-``
-        (``"32"``, ``"-4"``); anything else unchanged, as a symbol (``"b"``), which
-        :func:`validate` refuses unless it is a symbol name.
-
-    Example:
-        >>> parse_dim("32"), parse_dim("b"), parse_dim("²")
-        (32, 'b', '²')
-    """
-    return int(text) if _INT_DIM.fullmatch(text) else text
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorSig:
-    """Name, dtype and dims of an activation. A dim is an ``int`` or a symbol such as ``"b"``."""
+    """Name, dtype and dims of an activation: one argument or result of a stage.
+
+    A dim is an ``int``, a symbol bound by the inputs (``"b"``) or an expression of symbols as
+    jax prints it (``"2*b"``, ``"b + 1"``): see :mod:`jaxdist.core.dims`.
+
+    Example:
+        >>> TensorSig("hidden", "float32", ("b", "s", 576)).to_proto().dims
+        ['b', 's', '576']
+    """
 
     name: str
     dtype: str
-    dims: tuple[int | str, ...]
+    dims: tuple[Dim, ...]
 
     def to_proto(self) -> pb.TensorSig:
         return pb.TensorSig(name=self.name, dtype=self.dtype, dims=[str(d) for d in self.dims])
@@ -260,7 +249,9 @@ class StageSpec:
             spec_version=msg.spec_version)
 
     def serialize(self) -> bytes:
-        return self.to_proto().SerializeToString()
+        """Wire bytes. Deterministic: a bucket's map entries are written sorted by key (upb's
+        own map order varies between runs)."""
+        return self.to_proto().SerializeToString(deterministic=True)
 
     @classmethod
     def deserialize(cls, data: bytes) -> StageSpec:
@@ -339,15 +330,15 @@ def validate(spec: StageSpec) -> None:
         for i, sig in enumerate(sigs):
             _check_dtype(f"{field}[{i}].dtype", sig.dtype)
             for j, d in enumerate(sig.dims):
-                if isinstance(d, int):
-                    if d < 0:
-                        raise _fail(f"{field}[{i}].dims[{j}]", f"negative size {d}")
-                elif not _SYMBOL.fullmatch(d):
+                problem = check_dim(d)
+                if problem is not None:
+                    raise _fail(f"{field}[{i}].dims[{j}]", problem)
+                if field == "inputs":
+                    symbols |= symbols_of(d)
+                elif not symbols_of(d) <= symbols:
                     raise _fail(f"{field}[{i}].dims[{j}]",
-                                f"expected an integer or a symbol name, found {_clip(d)} (an "
-                                f"integer is an optional '-' and 1 to 18 ASCII digits)")
-                elif field == "inputs":
-                    symbols.add(d)
+                                f"{d!r} uses {sorted(symbols_of(d) - symbols)}, which no input "
+                                f"binds (the inputs use {sorted(symbols)})")
     _check_names("state", [s.name for s in spec.state])
     for i, st in enumerate(spec.state):
         _check_dtype(f"state[{i}].dtype", st.dtype)

@@ -34,6 +34,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxdist.core import codec, kernels
 from jaxdist.core.artifacts import DEFAULT_CUSTOM_CALL_ALLOWLIST, custom_call_targets, load_artifact
 from jaxdist.core.devices import device_platform, resolve_device
+from jaxdist.core.dims import Dim, evaluate, is_symbol, symbols_of
 from jaxdist.core.errors import SpecError
 from jaxdist.core.heap import release_free_heap
 from jaxdist.core.spec import ShapeBucket, StageSpec, TensorSig, validate
@@ -52,11 +53,69 @@ def _aval_dims(aval: Any) -> tuple[int | str, ...]:
     return tuple(d if isinstance(d, int) else str(d) for d in aval.shape)
 
 
+def _bindings_str(bound: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(bound.items())) or "no symbols"
+
+
+def _bind_symbols(where: str, sigs: Sequence[TensorSig],
+                  shapes: Sequence[tuple[int, ...]]) -> dict[str, int]:
+    """The value of every symbol of the inputs, read off their shapes.
+
+    A bare symbol (``b``) is bound by any axis that has it; a symbol that appears only inside an
+    expression is solved from an axis whose expression is linear in it (``2*b``, ``b + 1``), the
+    way jax solves them; the result is then checked by evaluating every dim.
+
+    Raises:
+        SpecError: a symbol is bound to two values, or cannot be solved from the shapes.
+    """
+    bound: dict[str, int] = {}
+    pending: list[tuple[TensorSig, Dim, int]] = []
+    for sig, shape in zip(sigs, shapes):
+        for d, n in zip(sig.dims, shape):
+            if is_symbol(d):
+                assert isinstance(d, str)
+                if bound.setdefault(d, n) != n:
+                    raise SpecError(f"{where}: input {sig.name!r}: symbol {d!r} is {bound[d]} "
+                                    f"in an earlier input but {n} here (shape {shape})")
+            elif not isinstance(d, int):
+                pending.append((sig, d, n))
+    progress = True
+    while pending and progress:  # each pass solves the dims left with one unknown symbol
+        progress = False
+        for item in list(pending):
+            sig, d, n = item
+            unknown = sorted(symbols_of(d) - set(bound))
+            if len(unknown) > 1:
+                continue
+            pending.remove(item)
+            progress = True
+            if unknown:
+                (sym,) = unknown
+                at0 = evaluate(d, {**bound, sym: 0})
+                slope = evaluate(d, {**bound, sym: 1}) - at0
+                value = (n - at0) // slope if slope else -1
+                if value < 0 or evaluate(d, {**bound, sym: value}) != n:
+                    raise SpecError(f"{where}: input {sig.name!r}: cannot solve symbol {sym!r} "
+                                    f"from the axis {d!r} of size {n}")
+                bound[sym] = value
+    if pending:
+        sig, d, _ = pending[0]
+        raise SpecError(f"{where}: input {sig.name!r}: the axis {d!r} has more than one symbol no "
+                        f"other axis binds ({sorted(symbols_of(d) - set(bound))})")
+    return bound
+
+
 class WorkerStage:
     """A stage bound and compiled on one device. Build it with :meth:`load`.
 
     Thread safety: :meth:`run` may be called from several threads; compilation of a new shape is
     serialized by a lock.
+
+    Example:
+        >>> from jaxdist import WeightCache, WorkerStage
+        >>> with WeightCache(["/srv/models"]) as cache:  # doctest: +SKIP
+        ...     stage = WorkerStage.load(spec, artifact=data, cache=cache)  # as on LoadStage
+        ...     outputs, state = stage.run({"x": x}, stage.init_state())
     """
 
     def __init__(self, spec: StageSpec, exported: jax.export.Exported, device: jax.Device,
@@ -232,10 +291,13 @@ class WorkerStage:
         shapes = []
         for sig in self.spec.inputs:
             try:
-                shapes.append(tuple(d if isinstance(d, int) else int(dims[d]) for d in sig.dims))
+                shapes.append(tuple(evaluate(d, dims) for d in sig.dims))
             except KeyError as exc:
                 raise SpecError(f"stage {self.spec.stage_index}: bucket {dict(dims)} does not bind "
                                 f"symbol {exc.args[0]!r} of input {sig.name!r}") from None
+            except ValueError as exc:
+                raise SpecError(f"stage {self.spec.stage_index}: bucket {dict(dims)}, input "
+                                f"{sig.name!r}: {exc}") from None
         return self.compile_shapes(tuple(shapes))
 
     def is_compiled(self, shapes: tuple[tuple[int, ...], ...]) -> bool:
@@ -277,27 +339,25 @@ class WorkerStage:
         where = f"stage {self.spec.stage_index}"
         if list(inputs) != self._input_names and set(inputs) != set(self._input_names):
             raise SpecError(f"{where}: expected inputs {self._input_names}, found {list(inputs)}")
-        bound: dict[str, int] = {}
         shapes = []
         for sig, dtype in zip(self.spec.inputs, self._input_dtypes):
             x = inputs[sig.name]
             if not hasattr(x, "shape"):
                 x = np.asarray(x)
-            shape = tuple(x.shape)
             if x.dtype != dtype:
                 raise SpecError(f"{where}: input {sig.name!r}: expected dtype {dtype.name}, "
                                 f"found {np.dtype(x.dtype).name}")
-            ok = len(shape) == len(sig.dims)
-            for d, n in zip(sig.dims, shape) if ok else ():
-                if isinstance(d, int):
-                    ok = ok and d == n
-                elif bound.setdefault(d, n) != n:
-                    raise SpecError(f"{where}: input {sig.name!r}: symbol {d!r} is {bound[d]} in "
-                                    f"an earlier input but {n} here (shape {shape})")
-            if not ok:
+            if len(x.shape) != len(sig.dims):
                 raise SpecError(f"{where}: input {sig.name!r}: expected dims "
-                                f"{_dims_str(sig.dims)}, found {shape}")
-            shapes.append(shape)
+                                f"{_dims_str(sig.dims)}, found {tuple(x.shape)}")
+            shapes.append(tuple(x.shape))
+        bound = _bind_symbols(where, self.spec.inputs, shapes)
+        for sig, shape in zip(self.spec.inputs, shapes):
+            if any(evaluate(d, bound) != n for d, n in zip(sig.dims, shape)):
+                with_ = "" if all(isinstance(d, int) or is_symbol(d) for d in sig.dims) else \
+                    f" with {_bindings_str(bound)}"
+                raise SpecError(f"{where}: input {sig.name!r}: expected dims "
+                                f"{_dims_str(sig.dims)}{with_}, found {shape}")
         return tuple(shapes)
 
     def run(self, inputs: Mapping[str, Any], state: Mapping[str, jax.Array] | None = None, *,

@@ -49,6 +49,12 @@ class Param:
             transposes once when binding; packed, the blocks stay as stored and the QTensor is
             marked transposed (the kernels read ``(out, in)`` rows).
         quant: the GGML storage type of the tensor (``"Q4_K"``), when it has one.
+
+    Example:
+        >>> from jaxdist import Param
+        >>> wq = Param("gguf://m.gguf#blk.0.attn_q.weight", (576, 576), transpose=True)
+        >>> wq.nbytes  # float32, bound once as the transpose of the stored matrix
+        1327104
     """
 
     uri: str
@@ -102,6 +108,19 @@ class Unit:
         fn: ``fn(params, state, carry) -> (carry, new_state)``.
         params: the unit's weights by local name.
         state: per-session state by local name: ``(shape, dtype)``.
+
+    Example:
+        >>> from jaxdist import Param, Unit
+        >>> def dense(params, state, carry):
+        ...     return {"x": carry["x"] @ params["w"]}, {}
+        >>> unit = Unit("l0", dense, {"w": Param("safetensors://mlp.safetensors#l0.w", (8, 8))})
+        >>> unit.weight_bytes
+        256
+        >>> def count(params, state, carry):  # a stateful unit: a running count per session
+        ...     n = state["n"] + 1
+        ...     return carry, {"n": n}
+        >>> Unit("count", count, state={"n": ((1,), "int32")}).state_bytes
+        4
     """
 
     name: str
@@ -136,6 +155,21 @@ class Model:
         constraints: symbolic constraints, e.g. ``("s <= 2048",)``.
         buckets: symbolic dim bindings to compile ahead of time, e.g. ``[{"b": 1, "s": 1}]``.
         meta: free-form information for the caller (tokenizer, eos id, ...); never shipped.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist import Model, Param, Unit
+        >>> def dense(params, state, carry):
+        ...     return {"x": jnp.tanh(carry["x"] @ params["w"])}, {}
+        >>> model = Model(
+        ...     "mlp",
+        ...     [Unit(f"l{i}", dense, {"w": Param(f"safetensors://mlp.safetensors#l{i}.w", (8, 8))})
+        ...      for i in range(4)],
+        ...     inputs={"x": ("b, 8", "float32")},  # b: a symbolic batch dim
+        ...     buckets=[{"b": 4}])                  # compiled ahead of time on the workers
+        >>> model.weight_bytes
+        1024
+        >>> pipe = cluster.deploy(model)  # see Cluster                       # doctest: +SKIP
     """
 
     name: str

@@ -9,7 +9,8 @@ way a third-party package would register its own::
     llama = "jaxdist.exporters.llama:EXPORTER"
 
 An exporter is any object with ``name``, ``architectures`` and
-``load(path, *, roots, **options) -> LoadedModel``.
+``load(path, *, roots, **options) -> LoadedModel``. A causal LM's LoadedModel carries a
+:class:`~jaxdist.export.causal_lm.CausalLM`, the contract a generator drives it by.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 
 from jaxdist.core.errors import SpecError, WeightError
 from jaxdist.core.weights.gguf import metadata as gguf_metadata
+from jaxdist.export.causal_lm import CausalLM
 from jaxdist.export.model import Model
 
 __all__ = ["Exporter", "LoadedModel", "architecture_of", "find_exporter", "load_model"]
@@ -43,8 +45,14 @@ class LoadedModel:
         kind: ``"causal-lm"`` (step contract of :mod:`jaxdist.coordinator.generation`) or ``"encoder"``.
         tokenizer: an object with ``encode``/``decode`` (or ``None``).
         architecture: the architecture name read from the file.
-        options: generation settings (``max_slots``, ``max_seq``, ``prefill_buckets``,
-            ``eos_ids``) or encoder settings.
+        options: what a manifest records as ``model.options``: an encoder's settings
+            (``max_length``, ``buckets``) as its exporter gives them; for a causal LM,
+            ``causal_lm.to_options()`` (filled in, not given).
+        causal_lm: the generation contract; given exactly when ``kind`` is ``"causal-lm"``.
+
+    Raises:
+        SpecError: a causal LM without ``causal_lm``, a ``causal_lm`` on another kind, or both
+            ``causal_lm`` and ``options``.
     """
 
     model: Model
@@ -52,6 +60,19 @@ class LoadedModel:
     tokenizer: Any | None
     architecture: str
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    causal_lm: CausalLM | None = None
+
+    def __post_init__(self) -> None:
+        where = f"LoadedModel of {self.model.name!r} ({self.architecture})"
+        if (self.kind == "causal-lm") != (self.causal_lm is not None):
+            raise SpecError(f"{where}: kind {self.kind!r} with causal_lm="
+                            f"{type(self.causal_lm).__name__}; a causal LM's exporter must give "
+                            f"its CausalLM contract, and only a causal LM has one")
+        if self.causal_lm is not None:
+            if self.options:
+                raise SpecError(f"{where}: give causal_lm or options, not both; a causal LM's "
+                                f"options are its causal_lm.to_options()")
+            object.__setattr__(self, "options", self.causal_lm.to_options())
 
 
 class Exporter(Protocol):

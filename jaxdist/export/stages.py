@@ -19,10 +19,11 @@ from typing import Any
 import jax
 
 from jaxdist.core import artifacts, kernels
+from jaxdist.core.dims import symbols_of
 from jaxdist.core.errors import SpecError
 from jaxdist.core.kernels import ops
 from jaxdist.core.kernels.ops import QTensor
-from jaxdist.core.spec import ShapeBucket, StageSpec, StateSig, TensorSig, Versions, parse_dim
+from jaxdist.core.spec import ShapeBucket, StageSpec, StateSig, Versions
 from jaxdist.export.model import Model, Param, Unit
 from jaxdist.export.partition import balanced_split, explicit_split
 
@@ -113,7 +114,7 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
                 inputs=inputs, platforms=platforms,
                 symbolic_constraints=tuple(model.constraints))
         meta = art.meta
-        symbols = {d for t in meta.inputs for d in t.dims if isinstance(parse_dim(d), str)}
+        symbols = {s for t in meta.inputs for d in t.dims for s in symbols_of(d)}
         buckets = []
         for b in model.buckets:
             dims = {s: int(v) for s, v in b.items() if s in symbols}
@@ -121,10 +122,8 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
                 buckets.append(ShapeBucket(dims))
         spec = StageSpec(
             artifact_digest=art.digest,
-            inputs=tuple(TensorSig(t.name, t.dtype, tuple(parse_dim(d) for d in t.dims))
-                         for t in meta.inputs),
-            outputs=tuple(TensorSig(t.name, t.dtype, tuple(parse_dim(d) for d in t.dims))
-                          for t in meta.outputs),
+            inputs=meta.inputs,
+            outputs=meta.outputs,
             weights=tuple(p.ref(n) for n, p in params.items()),
             state=tuple(StateSig(n, jax.numpy.dtype(dt).name, tuple(sh))
                         for n, (sh, dt) in state.items()),
@@ -135,7 +134,7 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
                               calling_convention_version=meta.calling_convention_version,
                               stablehlo=meta.stablehlo_version))
         built.append(BuiltStage(art, spec))
-        inputs = {t.name: (", ".join(t.dims), t.dtype) for t in meta.outputs}
+        inputs = {t.name: (", ".join(str(d) for d in t.dims), t.dtype) for t in meta.outputs}
     progress("exported", len(ranges), len(ranges))
     return built
 

@@ -56,6 +56,16 @@ class LocalRegistry(LocalStore):
 
     Raises:
         ArtifactError: ``root`` exists and is not a directory, or is missing and not created.
+
+    Example:
+        >>> import tempfile
+        >>> from jaxdist import LocalRegistry
+        >>> reg = LocalRegistry(tempfile.mkdtemp())
+        >>> digest = reg.put(b"artifact bytes")  # content-addressed: "sha256:<hex>"
+        >>> reg.get(digest), reg.has(digest), reg.list_manifests()
+        (b'artifact bytes', True, [])
+        >>> from jaxdist.registry.publish import publish
+        >>> pub = publish(model, reg, stages=2)  # export a model into it  # doctest: +SKIP
     """
 
     _what = "registry"

@@ -2,7 +2,9 @@
 
 ``jaxdist export`` (:func:`jaxdist.registry.publish.publish`) traces and exports every stage once, stores
 each artifact content-addressed in a registry, and writes a manifest: a JSON document that names
-the model, its stages, their artifact digests and full StageSpecs, and the weight URIs.
+the model, its stages, their artifact digests and full StageSpecs, and the weight URIs. A
+StageSpec is written as the ``jaxdist.v1.StageSpec`` protobuf message in proto3 JSON
+(``google.protobuf.json_format``): the proto is the one schema of a stage, on the wire and here.
 :meth:`jaxdist.coordinator.cluster.Cluster.deploy_manifest` deploys from it with no tracing at all.
 
 What a manifest holds, and what it does not
@@ -33,6 +35,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from google.protobuf import json_format
+
 from jaxdist.core.errors import ArtifactError, JaxdistError, SpecError
 from jaxdist.core.spec import (
     ShapeBucket,
@@ -44,6 +48,7 @@ from jaxdist.core.spec import (
     validate,
 )
 from jaxdist.core.vetting import digest_of
+from jaxdist.proto import jaxdist_pb2 as pb
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -69,8 +74,10 @@ log = logging.getLogger(__name__)
 #     they do not know (SUPPORTED_MANIFEST_VERSIONS), naming both.
 # Changelog:
 #   1 (2026-11-30): first version.
-MANIFEST_VERSION = 1
-SUPPORTED_MANIFEST_VERSIONS = (1,)
+#   2 (2026-12-01): a stage's "spec" is the StageSpec protobuf message in proto3 JSON
+#     (google.protobuf.json_format), no longer jaxdist's own dict form; keys are sorted.
+MANIFEST_VERSION = 2
+SUPPORTED_MANIFEST_VERSIONS = (1, 2)
 
 MODEL_PLACEHOLDER = "{model}"
 """Stands for the model's location in weight URIs (``gguf://{model}#tok_embd.weight``)."""
@@ -115,41 +122,33 @@ def resolve_uri(uri: str, model_path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# StageSpec <-> JSON (matched pair; placement fields left out)
+# StageSpec <-> JSON: the protobuf message is the one schema
 
 
-def _spec_to_dict(spec: StageSpec) -> dict[str, Any]:
-    def weight(w: WeightRef) -> dict[str, Any]:
-        d: dict[str, Any] = {"param": w.param, "uri": w.uri, "shape": list(w.shape),
-                             "dtype": w.dtype}
-        if w.sha256:
-            d["sha256"] = w.sha256
-        if w.packed:
-            d["packed"] = True
-        if w.transpose:
-            d["transpose"] = True
-        if w.quant:
-            d["quant"] = w.quant
-        return d
+def _spec_to_json(spec: StageSpec) -> dict[str, Any]:
+    """The spec as proto3 JSON (``google.protobuf.json_format``), placement fields cleared.
 
-    return {
-        "spec_version": spec.spec_version,
-        "model": spec.model,
-        "stage_index": spec.stage_index,
-        "num_stages": spec.num_stages,
-        "artifact_digest": spec.artifact_digest,
-        "platforms": list(spec.platforms),
-        "versions": dataclasses.asdict(spec.versions),
-        "inputs": [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims)} for t in spec.inputs],
-        "outputs": [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims)}
-                    for t in spec.outputs],
-        "state": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in spec.state],
-        "buckets": [dict(b.dims) for b in spec.buckets],
-        "weights": [weight(w) for w in spec.weights],
-    }
+    Proto3 JSON writes 64-bit integers as strings (``"shape": ["576", "64"]``) and leaves
+    fields at their default out; :func:`_spec_from_json` reads it back exactly."""
+    msg = spec.to_proto()
+    for name in PLACEMENT_FIELDS:
+        msg.ClearField(name)
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
 
 
-def _spec_from_dict(d: Mapping[str, Any]) -> StageSpec:
+def _spec_from_json(d: Mapping[str, Any]) -> StageSpec:
+    """Inverse of :func:`_spec_to_json`. Fields this jaxdist does not know are ignored (a newer
+    MINOR spec version may add some; the spec's own version rules say when that is safe)."""
+    try:
+        msg = json_format.ParseDict(d, pb.StageSpec(), ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise SpecError(f"spec is not a StageSpec: {exc}") from None
+    return StageSpec.from_proto(msg).replace(device="auto")
+
+
+def _spec_from_v1(d: Mapping[str, Any]) -> StageSpec:
+    """A StageSpec as manifest version 1 wrote it (jaxdist's own dict form, before the
+    protobuf JSON mapping). Kept so that every version 1 manifest still deploys."""
     return StageSpec(
         artifact_digest=d["artifact_digest"],
         inputs=tuple(TensorSig(t["name"], t["dtype"], tuple(t["dims"])) for t in d["inputs"]),
@@ -167,33 +166,6 @@ def _spec_from_dict(d: Mapping[str, Any]) -> StageSpec:
         model=d.get("model", ""),
         spec_version=d["spec_version"],
     )
-
-
-def _scalars(obj: Any) -> bool:
-    return not isinstance(obj, (dict, list)) or (
-        isinstance(obj, list) and not any(isinstance(v, (dict, list)) for v in obj))
-
-
-def _shallow(obj: Any) -> bool:
-    """A scalar, a list of scalars, an object of those, or a list of such objects."""
-    if isinstance(obj, dict):
-        return all(_scalars(v) for v in obj.values())
-    if isinstance(obj, list):
-        return all(_scalars(v) or (isinstance(v, dict) and _shallow(v)) for v in obj)
-    return True
-
-
-def _dumps(obj: Any, indent: str = "") -> str:
-    """JSON for people: objects one key a line, but a list or an object of scalars that fits on
-    one line (a shape, a weight entry) stays on one line. Deterministic."""
-    flat = json.dumps(obj, separators=(", ", ": "))
-    if len(flat) + len(indent) <= 160 and _shallow(obj):
-        return flat
-    inner = indent + "  "
-    if isinstance(obj, dict):
-        items = [f"{inner}{json.dumps(k)}: {_dumps(v, inner)}" for k, v in obj.items()]
-        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
-    return "[\n" + ",\n".join(inner + _dumps(v, inner) for v in obj) + f"\n{indent}]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,15 +264,15 @@ class Manifest:
             "versions": dict(self.versions),
             "platforms": list(self.platforms),
             "stages": [{"index": k, "artifact_digest": s.digest, "artifact_size": s.artifact_size,
-                        "units": list(s.units), "spec": _spec_to_dict(s.spec)}
+                        "units": list(s.units), "spec": _spec_to_json(s.spec)}
                        for k, s in enumerate(self.stages)],
             "weights": self.weight_uris,
         }
 
     def to_json(self) -> bytes:
-        """The manifest as UTF-8 JSON; deterministic, so ``digest_of`` names it."""
+        """The manifest as UTF-8 JSON; deterministic (keys sorted), so ``digest_of`` names it."""
         try:
-            return (_dumps(self.to_dict()) + "\n").encode()
+            return (json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n").encode()
         except (TypeError, ValueError) as exc:
             raise SpecError(f"manifest of {self.model.name!r}: model options are not "
                             f"JSON-serializable: {exc}") from exc
@@ -337,7 +309,7 @@ class Manifest:
                 raise SpecError(f"{source}: 'stages' is empty; a manifest needs at least one")
             for k, s in enumerate(raw_stages):
                 where = f"stages[{k}]"
-                spec = _spec_from_dict(s["spec"])
+                spec = (_spec_from_v1 if version == 1 else _spec_from_json)(s["spec"])
                 if spec.artifact_digest != s.get("artifact_digest", spec.artifact_digest):
                     raise SpecError(f"{source}: {where}.artifact_digest "
                                     f"{s['artifact_digest']} differs from its spec's "

@@ -6,7 +6,7 @@
 // positions) and masks it, so a decode step reads and copies the full cache of every layer
 // however short the sequence is; this kernel reads `pos + length` positions, as llama.cpp reads
 // only its used cells. It is called for steps of a few tokens (decode); prefill keeps XLA's
-// dots (jaxdist/kernels/ops.py).
+// dots (jaxdist/core/kernels/ops.py).
 //
 // Operands (all row-major):
 //   q        f32 (B, S, H, D)       queries, RoPE applied

@@ -1,7 +1,7 @@
 // jaxdist CPU kernels, ABI version 1: y[M, N] = x[M, K] . W[N, K]^T with W in GGML blocks.
 //
 // Two XLA FFI handlers, called from exported stages through lax.platform_dependent
-// (jaxdist/kernels/ops.py). W is bound exactly as the GGUF file stores it: N rows of
+// (jaxdist/core/kernels/ops.py). W is bound exactly as the GGUF file stores it: N rows of
 // K/block_elems blocks.
 //
 // - `jaxdist_ggml_matmul_v2`: the product for few rows (decode). The dot products are ggml's
@@ -18,7 +18,7 @@
 // threads claim from an atomic counter (class Helpers).
 //
 // Every buffer is checked against the declared type and shapes before anything is read.
-// Built at first use by jaxdist/kernels/build.py; nothing here is copied from ggml.
+// Built at first use by jaxdist/core/kernels/build.py; nothing here is copied from ggml.
 
 #include <algorithm>
 #include <atomic>

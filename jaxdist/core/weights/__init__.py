@@ -41,6 +41,16 @@ def resolve_weight(
 
     Raises:
         WeightError: bad URI, path outside ``roots``, missing file or tensor, or a mismatch.
+
+    Example:
+        >>> import os, tempfile
+        >>> import numpy as np
+        >>> from safetensors.numpy import save_file
+        >>> from jaxdist import resolve_weight
+        >>> root = tempfile.mkdtemp()
+        >>> save_file({"w": np.eye(2, dtype=np.float32)}, os.path.join(root, "m.safetensors"))
+        >>> resolve_weight("safetensors://m.safetensors#w", roots=[root]).tolist()
+        [[1.0, 0.0], [0.0, 1.0]]
     """
     with WeightCache(roots) as cache:
         return cache.resolve(uri, dtype=dtype, shape=shape)
@@ -51,6 +61,12 @@ def resolve_weight_bytes(uri: str, *, roots: Roots) -> tuple[np.ndarray, WeightI
 
     Raises:
         WeightError: bad URI, path outside ``roots``, missing file or tensor.
+
+    Example:
+        >>> blocks, info = resolve_weight_bytes("gguf://smollm2.gguf#blk.0.attn_q.weight",
+        ...                                     roots=["/srv/models"])  # doctest: +SKIP
+        >>> blocks.dtype, blocks.shape, info.quant                      # doctest: +SKIP
+        (dtype('uint8'), (576, 360), 'Q4_1')
     """
     with WeightCache(roots) as cache:
         return cache.resolve_bytes(uri)
@@ -61,6 +77,17 @@ def describe_weights(path: str | os.PathLike[str], *, roots: Roots) -> dict[str,
 
     Raises:
         WeightError: path outside ``roots``, missing, or of unknown format.
+
+    Example:
+        >>> import os, tempfile
+        >>> import numpy as np
+        >>> from safetensors.numpy import save_file
+        >>> from jaxdist import describe_weights
+        >>> root = tempfile.mkdtemp()
+        >>> save_file({"w": np.zeros((2, 3), np.float16)}, os.path.join(root, "m.safetensors"))
+        >>> info = describe_weights("m.safetensors", roots=[root])["w"]
+        >>> info.shape, info.dtype, info.nbytes
+        ((2, 3), 'float16', 12)
     """
     with WeightCache(roots) as cache:
         return cache.describe(path)

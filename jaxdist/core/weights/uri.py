@@ -81,6 +81,13 @@ class WeightInfo:
         quant: GGML type name of a quantized tensor (``"Q4_1"``), ``None`` for plain element types.
         nbytes: bytes the tensor occupies in the file.
         path: real path of the file holding the tensor.
+
+    Example:
+        >>> from jaxdist import describe_weights
+        >>> infos = describe_weights("smollm2.gguf", roots=["/srv/models"])  # doctest: +SKIP
+        >>> info = infos["blk.0.attn_q.weight"]                               # doctest: +SKIP
+        >>> info.shape, info.dtype, info.quant, info.nbytes                   # doctest: +SKIP
+        ((576, 576), 'float32', 'Q4_1', 207360)
     """
 
     name: str

@@ -1,0 +1,316 @@
+"""A loaded stage, running frames on an event loop, and the one interface its frames leave by.
+
+The data path has one seam: a stage receives a frame through :meth:`StageRuntime.process` and
+sends it on through a :class:`Route`, the edge of its own pipeline. Transports implement the
+route; the stage runtime and the pipeline never name one:
+
+* gRPC between workers (:class:`jaxdist.worker.runtime.GrpcRoute`): one ``Push`` stream per
+  pipeline edge, results and errors on the caller's ``Subscribe`` stream;
+* in one process (:class:`jaxdist.coordinator.inprocess.InProcessPipeline`): the next stage's
+  ``process`` is called directly, and device arrays are handed over as they are.
+
+A further transport (shared memory between the workers of one host, device to device) is one
+more :class:`Route`. Each route belongs to one stage of one pipeline, so a slow or stuck edge
+holds up only that pipeline.
+
+Per frame, on the loop::
+
+    process: compiled? -- no --> compile in a thread
+             run: inline when the stage is on the host and its steps of this shape are short,
+                  else in a thread (the loop keeps serving the other pipelines and heartbeats)
+             ready on the host? -- yes, and nothing queued --> route.forward        (inline)
+                                `-- otherwise --> [egress queue] -> egress task:
+                                                  wait in a thread, route.forward
+
+A frame whose outputs are ready when the step returns (on XLA:CPU, every small step) goes out at
+once from the task that read it: no thread handoff on the way through (each costs ~16 us of
+context switches on these machines, and a 4 KB hop is ~0.1 ms of work in all). A step that took
+longer than :data:`INLINE_MAX_S` runs in a thread from then on, so one pipeline's long steps
+never stall the loop. The egress queue keeps a stage's frames in order; it is bounded, and when
+it is full the caller of ``process`` waits (for gRPC: the Push stream stops reading and flow
+control pushes back to the sender).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxdist.core.errors import JaxdistError
+from jaxdist.core.sessions import SessionStore
+from jaxdist.core.stage import WorkerStage
+from jaxdist.core.transport import status
+from jaxdist.core.transport.frames import FrameHeader
+from jaxdist.proto import jaxdist_pb2 as pb
+
+__all__ = ["INLINE_MAX_S", "QUEUE_DEPTH", "Route", "StageRuntime", "call_in_loop",
+           "remote_error"]
+
+log = logging.getLogger(__name__)
+
+QUEUE_DEPTH = 32  # frames buffered per stage on egress
+INLINE_MAX_S = 0.005  # a step of a shape that took longer runs in a thread from then on
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+class Route(Protocol):
+    """Where one stage's frames go: the edge from this stage to the next, or to the caller.
+
+    Called on the stage's event loop only. ``forward`` may wait (back-pressure), and raises
+    :class:`~jaxdist.core.errors.TransportError` naming the peer when the edge is broken; the
+    runtime then reports the frame's failure through ``fail``.
+    """
+
+    wants_host: bool
+    """Whether ``forward`` needs host (numpy) arrays. False: device arrays are handed over as
+    they are (same process, or a device-to-device transport)."""
+
+    async def forward(self, header: FrameHeader, outputs: Mapping[str, Any]) -> None:
+        """Send the outputs on. ``header.stage`` is the index of the stage they are for: the
+        next stage, or ``num_stages`` for the result of the last stage."""
+        ...
+
+    async def fail(self, header: FrameHeader, error: BaseException) -> None:
+        """Tell the frame's caller that it failed on this stage; never raises."""
+        ...
+
+    async def close(self) -> None:
+        """Finish the frames already forwarded and release the edge."""
+        ...
+
+
+def remote_error(exc: BaseException, *, stage: int, address: str) -> pb.RemoteError:
+    """Describe an exception for the coordinator (status code, class, message, traceback)."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return pb.RemoteError(code=status.code_for(exc).name, type=type(exc).__name__,
+                          message=str(exc), traceback=tb, stage=stage, address=address)
+
+
+def call_in_loop(loop: asyncio.AbstractEventLoop | None, fn: Any, timeout: float) -> None:
+    """Run coroutine function ``fn`` on ``loop`` from another thread and wait for it."""
+    if loop is None or loop.is_closed():
+        return
+    future = asyncio.run_coroutine_threadsafe(fn(), loop)
+    try:
+        future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+
+
+def _ready_on_host(outputs: Mapping[str, Any]) -> bool:
+    for x in outputs.values():
+        is_ready = getattr(x, "is_ready", None)
+        if is_ready is not None and not is_ready():
+            return False
+    return True
+
+
+def _to_host(outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Wait for the outputs and copy them to host memory (the stage's one device->host copy)."""
+    return {k: np.asarray(v) for k, v in outputs.items()}
+
+
+class StageRuntime:
+    """A loaded stage, run from an event loop, with its egress queue and its route.
+
+    Args:
+        stage: the compiled stage.
+        stage_id: unique id of this stage deployment.
+        pipeline_id: the pipeline it belongs to.
+        sessions: the session store its state lives in.
+        route: where its frames go (see :class:`Route`).
+        pool: threads that run long steps, wait for device results and compile new shapes.
+    """
+
+    def __init__(self, stage: WorkerStage, *, stage_id: str, pipeline_id: str,
+                 sessions: SessionStore, route: Route,
+                 pool: concurrent.futures.Executor | None = None) -> None:
+        self.stage = stage
+        self.spec = stage.spec
+        self.stage_id = stage_id
+        self.pipeline_id = pipeline_id
+        self.route = route
+        self._sessions = sessions
+        self._pool = pool
+        self._stateful = bool(self.spec.state)
+        # On the host already: outputs that are ready need no thread to reach the route.
+        self._on_host = stage.platform == "cpu"
+        self._long: set[Shapes] = set()  # shapes whose steps run in a thread
+        self._egress: asyncio.Queue[tuple[FrameHeader, dict[str, Any]] | None] | None = None
+        self._egress_task: asyncio.Task[None] | None = None
+        self._egress_busy = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.frames_done = 0
+        self._inflight = 0
+        self._inflight_lock = threading.Condition()
+
+    @property
+    def threaded_shapes(self) -> list[Shapes]:
+        """Input shapes whose steps run in a thread (they took over :data:`INLINE_MAX_S`)."""
+        return sorted(self._long)
+
+    # -- ingress ----------------------------------------------------------------------------
+
+    async def process(self, header: FrameHeader, tensors: dict[str, Any], shapes: Shapes) -> None:
+        """Run one frame and send its outputs on, in frame order (call it on the loop).
+
+        Waits while the egress queue is full (back-pressure). Failures go to the route's
+        ``fail``, never raised.
+        """
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        with self._inflight_lock:
+            self._inflight += 1
+        queued = False
+        try:
+            try:
+                outputs = await self._run(header, tensors, shapes)
+            except Exception as exc:  # noqa: BLE001 - every frame failure goes to the caller
+                await self._failed(header, exc)
+                return
+            nxt = FrameHeader(header.pipeline_id, header.session_id, header.step,
+                              self.spec.stage_index + 1, header.request_id, header.reply_to)
+            if (not self._egress_busy and (self._egress is None or self._egress.empty())
+                    and (not self.route.wants_host or (self._on_host
+                                                       and _ready_on_host(outputs)))):
+                self._egress_busy = True
+                try:
+                    await self._emit(nxt, outputs)
+                finally:
+                    self._egress_busy = False
+                return
+            await self._queue().put((nxt, outputs))
+            queued = True  # the egress task owns the frame now
+        finally:
+            if not queued:  # done, failed, or cancelled under us
+                self._done_one()
+
+    async def _run(self, header: FrameHeader, tensors: dict[str, Any], shapes: Shapes
+                   ) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        if not self.stage.is_compiled(shapes):  # seconds: keep the loop serving
+            await loop.run_in_executor(self._pool, self.stage.compile_shapes, shapes)
+            threaded = True  # the first step of a shape is timed off the loop
+        else:
+            threaded = shapes in self._long
+        t0 = time.perf_counter()
+        if threaded:
+            outputs = await loop.run_in_executor(self._pool, self._execute, header, tensors,
+                                                 shapes)
+        else:
+            outputs = self._execute(header, tensors, shapes)
+        took = time.perf_counter() - t0
+        if took > INLINE_MAX_S:
+            if shapes not in self._long:
+                self._long.add(shapes)
+                log.info("stage %s: steps of input shapes %s take %.1f ms; they run in a thread "
+                         "so the data-plane loop keeps serving", self.stage_id, shapes, took * 1e3)
+        elif threaded and took < INLINE_MAX_S / 2:
+            self._long.discard(shapes)
+        return outputs
+
+    async def _failed(self, header: FrameHeader, exc: Exception) -> None:
+        if not isinstance(exc, JaxdistError):
+            log.error("stage %d failed on a frame", self.spec.stage_index, exc_info=exc)
+        log.info("stage %d: %s for session %r step %d: %s", self.spec.stage_index,
+                 type(exc).__name__, header.session_id, header.step, exc)
+        await self.route.fail(header, exc)
+
+    # -- execution --------------------------------------------------------------------------
+
+    def _execute(self, h: FrameHeader, tensors: dict[str, Any], shapes: Shapes
+                 ) -> dict[str, Any]:
+        if not self._stateful:
+            outputs, _ = self.stage.run(tensors, shapes=shapes)
+            return outputs
+        if h.step == 0:  # refused here, under the limits, before any state is allocated
+            sess = self._sessions.open(self.stage_id, h.session_id, self.spec.state_bytes)
+            try:
+                state = self.stage.init_state()
+            except Exception:
+                self._sessions.end(h.session_id, [self.stage_id])
+                raise
+        else:
+            sess = self._sessions.take(self.stage_id, h.session_id, h.step)
+            state, sess.state = sess.state, {}  # donated below: leave no dangling buffers
+        try:
+            outputs, new_state = self.stage.run(tensors, state, shapes=shapes)
+        except Exception as exc:  # the state may be donated already: the session is lost
+            self._sessions.lose(self.stage_id, h.session_id,
+                                f"was lost: step {h.step} failed on this stage "
+                                f"({type(exc).__name__}), and its state was given to that step")
+            raise
+        sess.state, sess.step = new_state, h.step
+        return outputs
+
+    # -- egress -----------------------------------------------------------------------------
+
+    def _queue(self) -> asyncio.Queue[tuple[FrameHeader, dict[str, Any]] | None]:
+        if self._egress is None:
+            self._egress = asyncio.Queue(maxsize=QUEUE_DEPTH)
+            self._egress_task = asyncio.get_running_loop().create_task(self._egress_loop(self._egress),
+                                                       name=f"egress-{self.stage_id}")
+        return self._egress
+
+    async def _egress_loop(self, q: asyncio.Queue[tuple[FrameHeader, dict[str, Any]] | None]
+                           ) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await q.get()
+            if item is None:
+                return
+            header, outputs = item
+            self._egress_busy = True
+            try:
+                if self.route.wants_host and not (self._on_host and _ready_on_host(outputs)):
+                    outputs = await loop.run_in_executor(self._pool, _to_host, outputs)
+                await self._emit(header, outputs)
+            except Exception as exc:  # noqa: BLE001 - the device computation itself failed
+                await self._failed(header, exc)
+            finally:
+                self._egress_busy = False
+                self._done_one()
+
+    async def _emit(self, header: FrameHeader, outputs: dict[str, Any]) -> None:
+        try:
+            await self.route.forward(header, outputs)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, never raised
+            await self._failed(header, exc)
+            return
+        self.frames_done += 1
+
+    def _done_one(self) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._inflight_lock.notify_all()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every submitted frame has left the stage (from a thread other than the
+        loop). True when drained."""
+        with self._inflight_lock:
+            return self._inflight_lock.wait_for(lambda: self._inflight <= 0, timeout)
+
+    def stop(self) -> None:
+        """Send the queued frames, end the egress task, close the route and drop the
+        sessions (from a thread other than the loop)."""
+        async def end_egress() -> None:
+            if self._egress is not None and self._egress_task is not None:
+                await self._egress.put(None)
+                await self._egress_task
+            await self.route.close()
+        call_in_loop(self._loop, end_egress, timeout=10)
+        dropped = self._sessions.drop_stage(self.stage_id)
+        if dropped:
+            log.info("stage %s unloaded with %d live sessions", self.stage_id, dropped)
