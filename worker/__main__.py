@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     limits.add_argument("--max-artifact-bytes", type=_size, default=256 << 20, metavar="SIZE",
                         help="largest artifact, uploaded or inlined in a spec "
                              "(default %(default)s)")
+    limits.add_argument("--max-subscriber-events", type=int, default=1024, metavar="N",
+                        help="events waiting for one coordinator's subscription; a subscriber "
+                             "that lets more pile up is dropped (default %(default)s)")
+    limits.add_argument("--max-subscriber-bytes", type=_size, default=256 << 20, metavar="SIZE",
+                        help="bytes of events waiting for one subscription; past it the "
+                             "subscriber is dropped (default %(default)s)")
     limits.add_argument("--max-frame-bytes", type=_size, default=1 << 30, metavar="SIZE",
                         help="tensor bytes in one frame, all its tensors (default %(default)s)")
     limits.add_argument("--max-tensors-per-frame", type=int, default=codec.DEFAULT_MAX_TENSORS,
@@ -104,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                                ("--max-tensors-per-frame", opts.max_tensors_per_frame, 1),
                                ("--max-artifact-bytes", opts.max_artifact_bytes, 1),
                                ("--max-frame-bytes", opts.max_frame_bytes, 1),
+                               ("--max-subscriber-events", opts.max_subscriber_events, 1),
+                               ("--max-subscriber-bytes", opts.max_subscriber_bytes, 1),
                                ("--session-idle-timeout", opts.session_idle_timeout, 0),
                                ("--kernel-threads", opts.kernel_threads, 0)):
         if value < least:
@@ -125,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                               max_artifact_bytes=opts.max_artifact_bytes,
                               max_frame_bytes=opts.max_frame_bytes,
                               max_tensors_per_frame=opts.max_tensors_per_frame,
+                              max_subscriber_events=opts.max_subscriber_events,
+                              max_subscriber_bytes=opts.max_subscriber_bytes,
                               peer_auth=security.client_auth(**files),
                               kernels=not opts.no_kernels,
                               kernel_threads=opts.kernel_threads)

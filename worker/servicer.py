@@ -70,6 +70,8 @@ class WorkerConfig:
     max_frame_bytes: int = 1 << 30                    # tensor bytes in one frame, all tensors
     max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
     max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
+    max_subscriber_events: int = 1024                 # events waiting for one subscription and
+    max_subscriber_bytes: int = 256 << 20             # their bytes; past either, it is dropped
     devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
     # Token and TLS this worker presents when it dials its next hops (security.client_auth)
     peer_auth: ClientAuth = field(default_factory=ClientAuth)
@@ -114,7 +116,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.started = time.monotonic()
         self.cache = WeightCache(config.weights_roots)
         self.registry = LocalStore(config.artifact_cache)
-        self.hub = Hub()
+        self.hub = Hub(config.max_subscriber_events, config.max_subscriber_bytes)
         self.peers = PeerPool(config.peer_auth.metadata, config.peer_auth.credentials)
         self._all_devices = list(config.devices) if config.devices is not None else None
         # The worker's own directive narrows what stages may ask for.
@@ -189,7 +191,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              weight_bytes=rt.stage.weight_bytes,
                              sessions=self.sessions.count(rt.stage_id), device=str(rt.stage.device),
                              packed_bytes=rt.stage.packed_bytes,
-                             dequantized_types=rt.stage.dequantized_types)
+                             dequantized_types=rt.stage.dequantized_types,
+                             threaded_shapes=["x".join(str(s) for s in shapes)
+                                              for shapes in rt.threaded_shapes])
         return reply
 
     @_rpc

@@ -70,7 +70,10 @@ class _LocalRoute:
 
 
 class InProcessPipeline:
-    """All stages of a model in one process.
+    """All stages of a model in one process. Each step runs to its end in the thread that
+    submits it (the futures come back done); steps of several threads take turns.
+
+    Do not call it from inside a running asyncio event loop: it drives a loop of its own.
 
     Args:
         model: the model.
@@ -115,10 +118,10 @@ class InProcessPipeline:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
+        # Driven by the calling thread, one step at a time (the lock): a step needs no thread
+        # handoff, as a plain jax.jit call needs none, so this stays the fair baseline.
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=self.pipeline_id,
-                                        daemon=True)
-        self._thread.start()
+        self._turn = threading.Lock()  # who drives the loop
 
     def _settle(self, request_id: int, outcome: dict[str, np.ndarray] | BaseException) -> None:
         with self._lock:
@@ -145,10 +148,11 @@ class InProcessPipeline:
             future.set_exception(exc)
             return future
         request_id = next(self._ids)
+        header = FrameHeader(self.pipeline_id, session_id, step, 0, request_id)
         with self._lock:
             self._pending[request_id] = future
-        header = FrameHeader(self.pipeline_id, session_id, step, 0, request_id)
-        asyncio.run_coroutine_threadsafe(first.process(header, tensors, shapes), self._loop)
+        with self._turn:
+            self._loop.run_until_complete(first.process(header, tensors, shapes))
         return future
 
     def call(self, inputs: Mapping[str, Any] | None = None, *, session_id: str = "",
@@ -169,11 +173,10 @@ class InProcessPipeline:
         if self._closed:
             return
         self._closed = True
-        for rt in self._runtimes:
-            rt.stop()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
+        with self._turn:
+            for rt in self._runtimes:
+                self._loop.run_until_complete(rt.aclose())
+                rt.drop_sessions()
             self._loop.close()
         self._pool.shutdown(wait=False)
         with self._lock:

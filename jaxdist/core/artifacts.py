@@ -138,7 +138,15 @@ class ArtifactMeta:
 
 @dataclasses.dataclass(frozen=True)
 class Artifact:
-    """A serialized stage: the bytes, their content address and their description."""
+    """A serialized stage: the bytes, their content address and their description.
+
+    Example:
+        >>> art = export_stage(lambda p, s, x: ({"y": x["x"] * p["w"]}, {}),
+        ...                    params={"w": ((4,), "float32")},
+        ...                    inputs={"x": ("b, 4", "float32")}, platforms=("cpu",))
+        >>> art.digest == digest_of(art.data), art.meta.platforms
+        (True, ('cpu',))
+    """
 
     data: bytes
     digest: str

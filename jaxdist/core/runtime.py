@@ -25,8 +25,9 @@ Per frame, on the loop::
 A frame whose outputs are ready when the step returns (on XLA:CPU, every small step) goes out at
 once from the task that read it: no thread handoff on the way through (each costs ~16 us of
 context switches on these machines, and a 4 KB hop is ~0.1 ms of work in all). A step that took
-longer than :data:`INLINE_MAX_S` runs in a thread from then on, so one pipeline's long steps
-never stall the loop. The egress queue keeps a stage's frames in order; it is bounded, and when
+longer than :data:`INLINE_MAX_S` (each of the last :data:`TIMED_STEPS` of its shape) runs in a
+thread from then on, so one pipeline's long steps never stall the loop; a shape's first step
+runs in a thread too, since nothing is known of it yet. The egress queue keeps a stage's frames in order; it is bounded, and when
 it is full the caller of ``process`` waits (for gRPC: the Push stream stops reading and flow
 control pushes back to the sender).
 """
@@ -34,6 +35,7 @@ control pushes back to the sender).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -57,7 +59,8 @@ __all__ = ["INLINE_MAX_S", "QUEUE_DEPTH", "Route", "StageRuntime", "call_in_loop
 log = logging.getLogger(__name__)
 
 QUEUE_DEPTH = 32  # frames buffered per stage on egress
-INLINE_MAX_S = 0.005  # a step of a shape that took longer runs in a thread from then on
+INLINE_MAX_S = 0.05  # steps of a shape that all took longer run in a thread from then on
+TIMED_STEPS = 3  # ... of the last this many (one preempted step does not count)
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -145,6 +148,7 @@ class StageRuntime:
         # On the host already: outputs that are ready need no thread to reach the route.
         self._on_host = stage.platform == "cpu"
         self._long: set[Shapes] = set()  # shapes whose steps run in a thread
+        self._times: dict[Shapes, collections.deque[float]] = {}  # the last steps' seconds
         self._egress: asyncio.Queue[tuple[FrameHeader, dict[str, Any]] | None] | None = None
         self._egress_task: asyncio.Task[None] | None = None
         self._egress_busy = False
@@ -197,24 +201,23 @@ class StageRuntime:
     async def _run(self, header: FrameHeader, tensors: dict[str, Any], shapes: Shapes
                    ) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
+        times = self._times.get(shapes)
+        if times is None:  # a new shape: compiled and first run off the loop
+            times = self._times[shapes] = collections.deque(maxlen=TIMED_STEPS)
         if not self.stage.is_compiled(shapes):  # seconds: keep the loop serving
             await loop.run_in_executor(self._pool, self.stage.compile_shapes, shapes)
-            threaded = True  # the first step of a shape is timed off the loop
-        else:
-            threaded = shapes in self._long
-        t0 = time.perf_counter()
+        threaded = not times or min(times) > INLINE_MAX_S
         if threaded:
-            outputs = await loop.run_in_executor(self._pool, self._execute, header, tensors,
-                                                 shapes)
+            outputs, took = await loop.run_in_executor(self._pool, self._timed, header, tensors,
+                                                       shapes)
         else:
-            outputs = self._execute(header, tensors, shapes)
-        took = time.perf_counter() - t0
-        if took > INLINE_MAX_S:
-            if shapes not in self._long:
-                self._long.add(shapes)
-                log.info("stage %s: steps of input shapes %s take %.1f ms; they run in a thread "
-                         "so the data-plane loop keeps serving", self.stage_id, shapes, took * 1e3)
-        elif threaded and took < INLINE_MAX_S / 2:
+            outputs, took = self._timed(header, tensors, shapes)
+        times.append(took)
+        if min(times) > INLINE_MAX_S and shapes not in self._long:
+            self._long.add(shapes)
+            log.info("stage %s: steps of input shapes %s take %.1f ms; they run in a thread so "
+                     "the data-plane loop keeps serving", self.stage_id, shapes, took * 1e3)
+        elif min(times) <= INLINE_MAX_S:
             self._long.discard(shapes)
         return outputs
 
@@ -226,6 +229,13 @@ class StageRuntime:
         await self.route.fail(header, exc)
 
     # -- execution --------------------------------------------------------------------------
+
+    def _timed(self, h: FrameHeader, tensors: dict[str, Any], shapes: Shapes
+               ) -> tuple[dict[str, Any], float]:
+        """:meth:`_execute`, and the seconds it took in the thread that ran it."""
+        t0 = time.perf_counter()
+        outputs = self._execute(h, tensors, shapes)
+        return outputs, time.perf_counter() - t0
 
     def _execute(self, h: FrameHeader, tensors: dict[str, Any], shapes: Shapes
                  ) -> dict[str, Any]:
@@ -302,15 +312,19 @@ class StageRuntime:
         with self._inflight_lock:
             return self._inflight_lock.wait_for(lambda: self._inflight <= 0, timeout)
 
+    async def aclose(self) -> None:
+        """Send the queued frames, end the egress task and close the route (on the loop)."""
+        if self._egress is not None and self._egress_task is not None:
+            await self._egress.put(None)
+            await self._egress_task
+        await self.route.close()
+
     def stop(self) -> None:
-        """Send the queued frames, end the egress task, close the route and drop the
-        sessions (from a thread other than the loop)."""
-        async def end_egress() -> None:
-            if self._egress is not None and self._egress_task is not None:
-                await self._egress.put(None)
-                await self._egress_task
-            await self.route.close()
-        call_in_loop(self._loop, end_egress, timeout=10)
+        """:meth:`aclose` on the loop, from another thread, then drop the sessions."""
+        call_in_loop(self._loop, self.aclose, timeout=10)
+        self.drop_sessions()
+
+    def drop_sessions(self) -> None:
         dropped = self._sessions.drop_stage(self.stage_id)
         if dropped:
             log.info("stage %s unloaded with %d live sessions", self.stage_id, dropped)

@@ -45,7 +45,7 @@ __all__ = [
 #     required field, a changed calling convention. Workers refuse unknown MAJOR versions.
 # Changelog:
 #   1.0 (2026-11-30): first version.
-SPEC_VERSION = "1.0"
+SPEC_VERSION = "1.0"  # what this jaxdist writes into StageSpec.spec_version
 SUPPORTED_SPEC_MAJORS = (1,)
 
 # Matched with fullmatch: "$" would also accept a trailing newline.
@@ -82,7 +82,12 @@ class TensorSig:
 
 @dataclasses.dataclass(frozen=True)
 class StateSig:
-    """A per-session resident tensor (e.g. a KV cache), allocated as zeros on first use."""
+    """A per-session resident tensor (e.g. a KV cache), allocated as zeros on first use.
+
+    Example:
+        >>> StateSig("blocks.0.k", "float32", (4, 256, 3, 64)).nbytes  # 4 slots x 256 positions
+        786432
+    """
 
     name: str
     dtype: str
@@ -116,6 +121,12 @@ class WeightRef:
         packed: bind the raw quantized blocks; the graph dequantizes.
         transpose: reverse the axes once at bind time.
         quant: GGML quant type when packed (``"Q8_0"``).
+
+    Example:
+        >>> w = WeightRef("blocks.0.attn.wq", "gguf://SmolLM2.gguf#blk.0.attn_q.weight",
+        ...               (576, 612), "uint8", packed=True, quant="Q8_0")
+        >>> w.nbytes
+        352512
     """
 
     param: str
@@ -190,7 +201,22 @@ class Versions:
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
-    """A self-describing unit of work for a worker. See the module docstring for the convention."""
+    """A self-describing unit of work for a worker. See the module docstring for the convention.
+
+    The wire form is the ``jaxdist.v1.StageSpec`` protobuf message, the one schema of a stage
+    (manifests store it too, in proto3 JSON). :meth:`deserialize` validates what it reads.
+
+    Example:
+        >>> spec = StageSpec("sha256:" + "ab" * 32,
+        ...                  inputs=(TensorSig("x", "float32", ("b", 32)),),
+        ...                  outputs=(TensorSig("y", "float32", ("b", 32)),),
+        ...                  weights=(WeightRef("w", "safetensors://mlp.safetensors#l0.w",
+        ...                                     (32, 32), "float32"),))
+        >>> StageSpec.deserialize(spec.serialize()) == spec
+        True
+        >>> spec.weight_bytes
+        4096
+    """
 
     artifact_digest: str
     inputs: tuple[TensorSig, ...]

@@ -361,9 +361,13 @@ def load_artifact(
             not allowed. The message names what was expected and what was found.
 
     Example:
-        >>> exported = load_artifact(artifact.data, expected_digest=artifact.digest,
-        ...                          platform="cpu")  # an Artifact from export_stage
-        >>> results = jax.jit(exported.call)(*params, *state, *inputs)  # flat, in call order
+        >>> art = export_stage(lambda p, s, x: ({"y": x["x"] * p["w"]}, {}),
+        ...                    params={"w": ((4,), "float32")},
+        ...                    inputs={"x": ("b, 4", "float32")}, platforms=("cpu",))
+        >>> exported = load_artifact(art.data, expected_digest=art.digest, platform="cpu")
+        >>> w, x = np.full(4, 2, np.float32), np.ones((3, 4), np.float32)
+        >>> jax.jit(exported.call)(w, x)[0].tolist()  # flat: weights, state, inputs
+        [[2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]]
     """
     data = bytes(data)
     window = _calling_convention_window(calling_conventions)

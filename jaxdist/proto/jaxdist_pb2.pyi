@@ -234,7 +234,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, platform: _Optional[str] = ..., index: _Optional[int] = ..., kind: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_free: _Optional[int] = ...) -> None: ...
 
 class LoadedStage(_message.Message):
-    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types")
+    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types", "threaded_shapes")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class LoadedStage(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEQUANTIZED_TYPES_FIELD_NUMBER: _ClassVar[int]
+    THREADED_SHAPES_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     pipeline_id: str
     stage_index: int
@@ -255,7 +256,8 @@ class LoadedStage(_message.Message):
     device: str
     packed_bytes: int
     dequantized_types: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ...) -> None: ...
+    threaded_shapes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ..., threaded_shapes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KernelInfo(_message.Message):
     __slots__ = ("version", "types", "targets", "threads", "unavailable_reason")

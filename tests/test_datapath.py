@@ -1,0 +1,125 @@
+"""The data path's seam: every pipeline edge is its own, and nothing one caller does on a shared
+worker holds up another caller.
+
+Real workers on loopback. The "attacker" is a second client holding the same worker token (no
+token here): it subscribes to a pipeline's results under its own ``reply_to``, floods the
+pipeline with frames whose results go to that subscription, and never reads. Before the seam,
+the worker's stage waited up to 30 s on that subscription inside the egress every caller
+shares, and across workers the pipelines' frames shared one ``Push`` stream; now the subscriber
+is dropped with ``RESOURCE_EXHAUSTED``, which it sees, and the other callers go on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pathlib
+from collections.abc import Iterator
+
+import grpc
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from models import mlp, mlp_reference
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.frames import FrameHeader, split_frame
+from jaxdist.export.model import Model, Unit
+
+WIDE = 1 << 18  # floats per row of the flood: 1 MiB frames, so gRPC's own buffers fill fast
+D = 32
+
+
+def _identity(p, st, c):
+    return {"x": c["x"] + 0}, {}
+
+
+def wide_model() -> Model:
+    return Model("wide", [Unit("a", _identity), Unit("b", _identity)],
+                 inputs={"x": (f"b, {WIDE}", "float32")}, buckets=[{"b": 1}])
+
+
+@pytest.fixture(scope="module")
+def cluster(mlp_root: pathlib.Path) -> Iterator[Cluster]:
+    with Cluster.local(2, weights_roots=[str(mlp_root)], heartbeat_timeout=10.0,
+                       extra_args=["--max-subscriber-events", "8"]) as c:
+        yield c
+
+
+def _flood(client: WorkerClient, pipeline_id: str, reply_to: str, frames: int) -> None:
+    """Frames into stage 0 of ``pipeline_id`` whose results go to ``reply_to``."""
+    sender = client.sender()
+    x = np.ones((1, WIDE), np.float32)
+    for i in range(frames):
+        for msg in split_frame(FrameHeader(pipeline_id, "", 0, 0, 10_000 + i, reply_to),
+                               {"x": x}):
+            sender.send(msg, timeout=30)
+    sender.close()
+
+
+def test_a_silent_subscriber_costs_only_itself(cluster: Cluster,
+                                               mlp_root: pathlib.Path) -> None:
+    """Two pipelines over the same two workers. A silent subscriber of one of them, flooded,
+    is dropped with an error it sees; both pipelines keep serving their own callers."""
+    victim = cluster.deploy(mlp(), stages=2, platforms=("cpu",))
+    flooded = cluster.deploy(wide_model(), stages=2, platforms=("cpu",))
+    with victim, flooded:
+        assert [c.address for c in victim.clients] == [c.address for c in flooded.clients]
+        last = WorkerClient(flooded.clients[1].address)
+        silent = last.subscribe(flooded.pipeline_id, "attacker")
+        first = WorkerClient(flooded.clients[0].address)
+        _flood(first, flooded.pipeline_id, "attacker", frames=64)
+        # The flooded stage kept going, so the victim and the flooded pipeline's own caller are
+        # served; before, each waited out the 30 s publish timeout on the silent subscriber.
+        x = np.random.default_rng(0).standard_normal((4, D)).astype(np.float32)
+        np.testing.assert_allclose(victim.call({"x": x}, timeout=30)["x"],
+                                   mlp_reference(mlp_root, x), rtol=1e-5, atol=1e-5)
+        wide = np.random.default_rng(1).standard_normal((1, WIDE)).astype(np.float32)
+        np.testing.assert_array_equal(flooded.call({"x": wide}, timeout=30)["x"], wide)
+        # The silent subscriber learns why it lost its events: the stream ends with the bound.
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in itertools.islice(silent, 10_000):
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"the subscriber of pipeline {flooded.pipeline_id} is not reading" in (
+            info.value.details())
+        assert victim.broken is None and flooded.broken is None
+        first.close()
+        last.close()
+
+
+def _spin(p, st, c):
+    """About a second of dependent arithmetic per step on one core (a long step)."""
+    def body(i, x):
+        return jnp.tanh(x * 1.0001 + 0.5)
+    return {"x": lax.fori_loop(0, c["n"][0], body, c["x"])}, {}
+
+
+def test_a_long_step_does_not_hold_up_another_pipeline(cluster: Cluster,
+                                                      mlp_root: pathlib.Path) -> None:
+    """While one pipeline's steps run for about a second each, a second pipeline on the same
+    worker is served, and the heartbeats keep both pipelines alive."""
+    slow_model = Model("spin", [Unit("spin", _spin)],
+                       inputs={"x": ("b, 256", "float32"), "n": ("1", "int32")},
+                       buckets=[{"b": 1}])
+    worker = [cluster.clients[0].address]
+    slow = cluster.deploy(slow_model, stages=1, platforms=("cpu",), workers=worker)
+    fast = cluster.deploy(mlp(), stages=1, platforms=("cpu",), workers=worker)
+    with slow, fast:
+        x = np.zeros((1, 256), np.float32)
+        n = np.array([10_000_000], np.int32)  # about 1 s a step here
+        steps = [slow.submit({"x": x, "n": n}) for _ in range(3)]
+        y = np.random.default_rng(2).standard_normal((4, D)).astype(np.float32)
+        for _ in range(5):  # served while the slow steps are queued and running
+            np.testing.assert_allclose(fast.call({"x": y}, timeout=30)["x"],
+                                       mlp_reference(mlp_root, y), rtol=1e-5, atol=1e-5)
+        assert not steps[-1].done()  # the fast calls did not wait for the slow steps
+        for f in steps:
+            assert f.result(timeout=120)["x"].shape == (1, 256)
+        assert slow.broken is None and fast.broken is None
+        # The slower path is shown in status: the slow stage's shapes, not the fast one's.
+        shown = {st.pipeline_id: list(st.threaded_shapes)
+                 for st in cluster.clients[0].info().stages}
+        assert shown[slow.pipeline_id] == ["(1, 256)x(1,)"]
+        assert shown[fast.pipeline_id] == []
