@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import pathlib
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -90,7 +91,7 @@ def test_a_silent_subscriber_costs_only_itself(cluster: Cluster,
 
 
 def _spin(p, st, c):
-    """About a second of dependent arithmetic per step on one core (a long step)."""
+    """Seconds of dependent arithmetic per step on one core (a long step)."""
     def body(i, x):
         return jnp.tanh(x * 1.0001 + 0.5)
     return {"x": lax.fori_loop(0, c["n"][0], body, c["x"])}, {}
@@ -98,7 +99,7 @@ def _spin(p, st, c):
 
 def test_a_long_step_does_not_hold_up_another_pipeline(cluster: Cluster,
                                                       mlp_root: pathlib.Path) -> None:
-    """While one pipeline's steps run for about a second each, a second pipeline on the same
+    """While one pipeline's steps run for about 2 s each, a second pipeline on the same
     worker is served, and the heartbeats keep both pipelines alive."""
     slow_model = Model("spin", [Unit("spin", _spin)],
                        inputs={"x": ("b, 256", "float32"), "n": ("1", "int32")},
@@ -108,13 +109,17 @@ def test_a_long_step_does_not_hold_up_another_pipeline(cluster: Cluster,
     fast = cluster.deploy(mlp(), stages=1, platforms=("cpu",), workers=worker)
     with slow, fast:
         x = np.zeros((1, 256), np.float32)
-        n = np.array([10_000_000], np.int32)  # about 1 s a step here
+        n = np.array([20_000_000], np.int32)  # about 2 s a step here
+        t0 = time.monotonic()
         steps = [slow.submit({"x": x, "n": n}) for _ in range(3)]
         y = np.random.default_rng(2).standard_normal((4, D)).astype(np.float32)
         for _ in range(5):  # served while the slow steps are queued and running
             np.testing.assert_allclose(fast.call({"x": y}, timeout=30)["x"],
                                        mlp_reference(mlp_root, y), rtol=1e-5, atol=1e-5)
-        assert not steps[-1].done()  # the fast calls did not wait for the slow steps
+        fast_s = time.monotonic() - t0
+        # The fast calls did not wait for the slow steps (about 6 s in all).
+        assert not steps[-1].done(), (f"5 fast calls took {fast_s:.2f}s; slow steps done: "
+                                      f"{[f.done() for f in steps]}")
         for f in steps:
             assert f.result(timeout=120)["x"].shape == (1, 256)
         assert slow.broken is None and fast.broken is None

@@ -127,6 +127,36 @@ def test_error_artifact_inline_over_limit(served):
     served.check_serves()
 
 
+# -- ids --------------------------------------------------------------------------------------
+
+
+def test_error_ids_over_limit(served):
+    """An id over --max-id-bytes (256 by default) is refused before the worker keeps or logs
+    it: before, a 130 MiB pipeline id made Info fail for every client until it was unloaded."""
+    long = "p" * 300
+    spec = served.mlp.specs[0].replace(stage_id=f"{long}/0")
+    code, msg = _status(lambda: served.stub.LoadStage(pb.LoadStageRequest(
+        spec=spec.to_proto(), pipeline_id=long), timeout=60))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert msg == (f"LoadStage: pipeline_id is 300 bytes, over the id length limit "
+                   f"(--max-id-bytes=256); it starts {'p' * 40!r}")
+    code, msg = _status(lambda: next(iter(served.stub.Subscribe(pb.SubscribeRequest(
+        pipeline_id="x", reply_to="r" * 1000), timeout=30))))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert msg.startswith("Subscribe: reply_to is 1000 bytes, over the id length limit")
+    code, msg = _status(lambda: served.stub.EndSession(pb.EndSessionRequest(
+        pipeline_id="x", session_id="é" * 200), timeout=30))  # 400 bytes in UTF-8
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert msg.startswith("EndSession: session_id is 400 bytes")
+    # A frame with a long session id is refused on the caller's subscription.
+    pipe = served.mlp
+    with pytest.raises(RemoteStageError, match=r"frame: session_id is 257 bytes, over the id "
+                                               r"length limit \(--max-id-bytes=256\)"):
+        pipe.submit({"x": np.zeros((4, D), np.float32)}, session_id="s" * 257).result(60)
+    assert all(len(st.pipeline_id) <= 256 for st in served.stub.Info(pb.InfoRequest()).stages)
+    served.check_serves()
+
+
 # -- frames -----------------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ import threading
 from jaxdist.core import codec
 from jaxdist.core import config as jd_config
 from jaxdist.core.errors import JaxdistError
+from jaxdist.worker.limits import MAX_ID_BYTES
 
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -58,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "for cpu)")
     limits.add_argument("--max-artifact-bytes", type=_size, default=256 << 20, metavar="SIZE",
                         help="largest artifact, uploaded or inlined in a spec "
+                             "(default %(default)s)")
+    limits.add_argument("--max-id-bytes", type=int, default=MAX_ID_BYTES, metavar="N",
+                        help="longest pipeline, stage, session or reply-to id, or model name, "
+                             "in UTF-8 bytes; a request with a longer one is refused "
                              "(default %(default)s)")
     limits.add_argument("--max-subscriber-events", type=int, default=1024, metavar="N",
                         help="events waiting for one coordinator's subscription; a subscriber "
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                ("--max-artifact-bytes", opts.max_artifact_bytes, 1),
                                ("--max-frame-bytes", opts.max_frame_bytes, 1),
                                ("--max-subscriber-events", opts.max_subscriber_events, 1),
+                               ("--max-id-bytes", opts.max_id_bytes, 16),
                                ("--max-subscriber-bytes", opts.max_subscriber_bytes, 1),
                                ("--session-idle-timeout", opts.session_idle_timeout, 0),
                                ("--kernel-threads", opts.kernel_threads, 0)):
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_artifact_bytes=opts.max_artifact_bytes,
                               max_frame_bytes=opts.max_frame_bytes,
                               max_tensors_per_frame=opts.max_tensors_per_frame,
+                              max_id_bytes=opts.max_id_bytes,
                               max_subscriber_events=opts.max_subscriber_events,
                               max_subscriber_bytes=opts.max_subscriber_bytes,
                               peer_auth=security.client_auth(**files),

@@ -15,7 +15,13 @@ import psutil
 
 from jaxdist.core.errors import LimitError
 
-__all__ = ["KV_MEMORY_FRACTION", "FrameBudget", "default_max_kv_bytes"]
+__all__ = ["KV_MEMORY_FRACTION", "MAX_ID_BYTES", "FrameBudget", "check_ids",
+           "default_max_kv_bytes"]
+
+MAX_ID_BYTES = 256
+"""Default ``--max-id-bytes``: the longest pipeline, stage, session, reply-to id or model name a
+worker keeps (UTF-8 bytes). Ids are kept in tables, logs and ``Info``; an unbounded one (a
+130 MiB pipeline id) made ``Info`` fail for every client until it was unloaded."""
 
 KV_MEMORY_FRACTION = 0.5
 """Share of the memory behind the worker's device that session state may take by default.
@@ -25,6 +31,19 @@ it ends, so the bound is the device's memory: the physical RAM for a CPU device,
 memory where jax reports it. Half leaves the other half for the stages' weights, the compiled
 executables, activations in flight and the rest of the machine. Read once, at start-up.
 """
+
+
+def check_ids(where: str, limit: int, **ids: str) -> None:
+    """Refuse an id longer than ``limit`` UTF-8 bytes, before anything keeps or logs it.
+
+    Raises:
+        LimitError: naming the request, the field, its size, the flag, and the id's start.
+    """
+    for field, value in ids.items():
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise LimitError(f"{where}: {field} is {size} bytes, over the id length limit "
+                             f"(--max-id-bytes={limit}); it starts {value[:40]!r}")
 
 
 def default_max_kv_bytes(device_memory_total: int = 0) -> int:

@@ -140,8 +140,8 @@ class Hub:
         subscriber was dropped for not reading."""
         sub = self._subs.get((pipeline_id, reply_to))
         if sub is None:
-            log.warning("no subscriber for pipeline %s reply_to %r; dropped an event",
-                        pipeline_id, reply_to[:64])
+            log.warning("no subscriber for pipeline %r reply_to %r; dropped an event",
+                        pipeline_id[:64], reply_to[:64])
             return False
         return sub.put(event)
 

@@ -40,7 +40,7 @@ from jaxdist.core.transport.security import ClientAuth
 from jaxdist.core.weights import WeightCache
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
-from jaxdist.worker.limits import FrameBudget, default_max_kv_bytes
+from jaxdist.worker.limits import MAX_ID_BYTES, FrameBudget, check_ids, default_max_kv_bytes
 from jaxdist.worker.runtime import HEARTBEAT, GrpcRoute, Hub, PeerPool, Subscription
 
 __all__ = ["WorkerConfig", "WorkerServicer"]
@@ -70,6 +70,7 @@ class WorkerConfig:
     max_frame_bytes: int = 1 << 30                    # tensor bytes in one frame, all tensors
     max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
     max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
+    max_id_bytes: int = MAX_ID_BYTES                  # longest id or model name kept
     max_subscriber_events: int = 1024                 # events waiting for one subscription and
     max_subscriber_bytes: int = 256 << 20             # their bytes; past either, it is dropped
     devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
@@ -234,6 +235,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def LoadStage(self, request: pb.LoadStageRequest, context: grpc.ServicerContext
                   ) -> pb.LoadStageReply:
         spec = StageSpec.from_proto(request.spec)
+        check_ids("LoadStage", self.config.max_id_bytes, pipeline_id=request.pipeline_id,
+                  stage_id=spec.stage_id, model=spec.model)
         validate(spec)
         pipeline_id = request.pipeline_id or spec.stage_id.split("/")[0] or "default"
         key = (pipeline_id, spec.stage_index)
@@ -281,6 +284,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @_rpc
     def UnloadStage(self, request: pb.UnloadStageRequest, context: grpc.ServicerContext
                     ) -> pb.UnloadStageReply:
+        check_ids("UnloadStage", self.config.max_id_bytes, stage_id=request.stage_id)
         with self._lock:
             keys = [k for k, rt in self._stages.items()
                     if request.stage_id in (rt.stage_id, rt.pipeline_id)]
@@ -304,6 +308,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @_rpc
     def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext
                    ) -> pb.EndSessionReply:
+        check_ids("EndSession", self.config.max_id_bytes, pipeline_id=request.pipeline_id,
+                  session_id=request.session_id)
         with self._lock:
             ids = [rt.stage_id for rt in self._stages.values()
                    if rt.pipeline_id == request.pipeline_id]
@@ -349,6 +355,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if self._draining.is_set():
                     raise SessionError(f"worker {self.address} is shutting down; frame of "
                                        f"session {header.session_id!r} refused")
+                check_ids("frame", cfg.max_id_bytes, pipeline_id=header.pipeline_id,
+                          session_id=header.session_id, reply_to=header.reply_to)
                 if runtime is None:
                     raise SessionError(f"unknown stage: pipeline {header.pipeline_id!r} stage "
                                        f"{header.stage} is not loaded on worker {self.address}")
@@ -369,7 +377,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _report(self, header: Any, exc: BaseException) -> None:
         err = remote_error(exc, stage=header.stage, address=self.address)
-        log.info("rejected frame of session %r step %d: %s", header.session_id, header.step, exc)
+        log.info("rejected frame of session %r step %d: %s", header.session_id[:64], header.step,
+                 exc)
         self.hub.publish(header.pipeline_id, header.reply_to,
                          pb.Event(error=err, request_id=header.request_id,
                                   session_id=header.session_id))
@@ -381,6 +390,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         ``request`` is a ``SubscribeRequest``'s bytes (see ``jaxdist.core.transport.wire``)."""
         try:
             sub = wire.parse_request(pb.SubscribeRequest, request)
+            check_ids("Subscribe", self.config.max_id_bytes, pipeline_id=sub.pipeline_id,
+                      reply_to=sub.reply_to)
         except JaxdistError as exc:
             await context.abort(_failure(exc, context, "Subscribe"), str(exc))
             raise  # unreachable: abort raises
