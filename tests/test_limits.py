@@ -157,6 +157,33 @@ def test_error_ids_over_limit(served):
     served.check_serves()
 
 
+def test_error_compiled_shapes_over_limit(mlp_root):
+    """Each new batch size compiles a new executable, cached until unload (+214 MB and 8 s of
+    CPU for 120 of them): a stage compiles at most --max-compiled-shapes, its buckets included."""
+    worker, cluster = _spawn(mlp_root, ["--max-compiled-shapes", "2"])
+    try:
+        with cluster.deploy(mlp(), stages=1) as pipe:  # its bucket, b=4, is shape 1
+            x = np.random.default_rng(4).standard_normal((5, D)).astype(np.float32)
+            np.testing.assert_allclose(pipe.call(x=x[:3], timeout=60)["x"],
+                                       mlp_reference(mlp_root, x[:3]), rtol=1e-5, atol=1e-6)
+            with pytest.raises(RemoteStageError) as err:  # a third shape
+                pipe.call(x=x, timeout=60)
+            assert err.value.code == "RESOURCE_EXHAUSTED"
+            assert (f"stage 0: input shapes (({5}, {D}),) would be compiled shapes number 3, "
+                    f"over the limit of the worker (--max-compiled-shapes=2)") in err.value.message
+            for b in (4, 3):  # the compiled shapes still run
+                np.testing.assert_allclose(pipe.call(x=x[:b], timeout=60)["x"],
+                                           mlp_reference(mlp_root, x[:b]), rtol=1e-5, atol=1e-6)
+            with pytest.raises(LimitError, match=r"has 3 buckets to compile, over the limit of "
+                                                 r"this worker \(--max-compiled-shapes=2\)"):
+                cluster.deploy(Model("three", mlp().units,
+                                     inputs={"x": (f"b, {D}", "float32")},
+                                     buckets=[{"b": 1}, {"b": 2}, {"b": 4}]), stages=1)
+    finally:
+        cluster.close()
+        stop_workers([worker])
+
+
 # -- frames -----------------------------------------------------------------------------------
 
 

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="longest pipeline, stage, session or reply-to id, or model name, "
                              "in UTF-8 bytes; a request with a longer one is refused "
                              "(default %(default)s)")
+    limits.add_argument("--max-compiled-shapes", type=int, default=64, metavar="N",
+                        help="input shapes compiled per stage, its buckets included; a frame "
+                             "of a further shape is refused (default %(default)s)")
     limits.add_argument("--max-subscriber-events", type=int, default=1024, metavar="N",
                         help="events waiting for one coordinator's subscription; a subscriber "
                              "that lets more pile up is dropped (default %(default)s)")
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                ("--max-frame-bytes", opts.max_frame_bytes, 1),
                                ("--max-subscriber-events", opts.max_subscriber_events, 1),
                                ("--max-id-bytes", opts.max_id_bytes, 16),
+                               ("--max-compiled-shapes", opts.max_compiled_shapes, 1),
                                ("--max-subscriber-bytes", opts.max_subscriber_bytes, 1),
                                ("--session-idle-timeout", opts.session_idle_timeout, 0),
                                ("--kernel-threads", opts.kernel_threads, 0)):
@@ -140,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_frame_bytes=opts.max_frame_bytes,
                               max_tensors_per_frame=opts.max_tensors_per_frame,
                               max_id_bytes=opts.max_id_bytes,
+                              max_compiled_shapes=opts.max_compiled_shapes,
                               max_subscriber_events=opts.max_subscriber_events,
                               max_subscriber_bytes=opts.max_subscriber_bytes,
                               peer_auth=security.client_auth(**files),

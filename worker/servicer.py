@@ -71,6 +71,7 @@ class WorkerConfig:
     max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
     max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
     max_id_bytes: int = MAX_ID_BYTES                  # longest id or model name kept
+    max_compiled_shapes: int = 64                     # input shapes compiled per stage
     max_subscriber_events: int = 1024                 # events waiting for one subscription and
     max_subscriber_bytes: int = 256 << 20             # their bytes; past either, it is dropped
     devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
@@ -238,6 +239,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         check_ids("LoadStage", self.config.max_id_bytes, pipeline_id=request.pipeline_id,
                   stage_id=spec.stage_id, model=spec.model)
         validate(spec)
+        if len(spec.buckets) > self.config.max_compiled_shapes:
+            raise LimitError(f"LoadStage: stage {spec.stage_index} has {len(spec.buckets)} "
+                             f"buckets to compile, over the limit of this worker "
+                             f"(--max-compiled-shapes={self.config.max_compiled_shapes})")
         pipeline_id = request.pipeline_id or spec.stage_id.split("/")[0] or "default"
         key = (pipeline_id, spec.stage_index)
         stage_id = spec.stage_id or f"{pipeline_id}/{spec.stage_index}"
@@ -271,7 +276,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         route = GrpcRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub, peers=self.peers,
                           address=self.address)
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
-                               sessions=self.sessions, route=route, pool=self._egress_pool)
+                               sessions=self.sessions, route=route, pool=self._egress_pool,
+                               max_compiled_shapes=self.config.max_compiled_shapes)
         with self._lock:
             old = self._stages.pop(key, None)
             self._stages[key] = runtime

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxdist.core.errors import JaxdistError
+from jaxdist.core.errors import JaxdistError, LimitError
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.stage import WorkerStage
 from jaxdist.core.transport import status
@@ -132,11 +132,14 @@ class StageRuntime:
         sessions: the session store its state lives in.
         route: where its frames go (see :class:`Route`).
         pool: threads that run long steps, wait for device results and compile new shapes.
+        max_compiled_shapes: most input shapes the stage compiles (its buckets included); a
+            frame of a further shape is refused. 0: no limit.
     """
 
     def __init__(self, stage: WorkerStage, *, stage_id: str, pipeline_id: str,
                  sessions: SessionStore, route: Route,
-                 pool: concurrent.futures.Executor | None = None) -> None:
+                 pool: concurrent.futures.Executor | None = None,
+                 max_compiled_shapes: int = 0) -> None:
         self.stage = stage
         self.spec = stage.spec
         self.stage_id = stage_id
@@ -144,6 +147,7 @@ class StageRuntime:
         self.route = route
         self._sessions = sessions
         self._pool = pool
+        self._max_shapes = max_compiled_shapes
         self._stateful = bool(self.spec.state)
         # On the host already: outputs that are ready need no thread to reach the route.
         self._on_host = stage.platform == "cpu"
@@ -205,6 +209,14 @@ class StageRuntime:
         if times is None:  # a new shape: compiled and first run off the loop
             times = self._times[shapes] = collections.deque(maxlen=TIMED_STEPS)
         if not self.stage.is_compiled(shapes):  # seconds: keep the loop serving
+            compiled = self.stage.compiled_shapes
+            if self._max_shapes and len(compiled) >= self._max_shapes:
+                self._times.pop(shapes, None)
+                raise LimitError(
+                    f"stage {self.spec.stage_index}: input shapes {shapes} would be compiled "
+                    f"shapes number {len(compiled) + 1}, over the limit of the worker "
+                    f"(--max-compiled-shapes={self._max_shapes}); pad the inputs to a shape "
+                    f"it has compiled, such as {compiled[:3]}")
             await loop.run_in_executor(self._pool, self.stage.compile_shapes, shapes)
         threaded = not times or min(times) > INLINE_MAX_S
         if threaded:
