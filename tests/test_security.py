@@ -177,6 +177,40 @@ def test_token_readable_by_others_is_warned_and_never_logged(
     assert auth.metadata == (("authorization", f"Bearer {TOKEN}"),)
 
 
+def test_refusals_log_escaped_and_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """A caller's method path is its own text: a newline in it cannot forge a log line, a long
+    one is clipped, and a caller retrying in a loop gets one line per interval, not one per
+    call. (The interceptor itself, on a fake clock; real refusals are tested above.)"""
+    import asyncio
+
+    from jaxdist.core.transport.security import TokenInterceptor
+
+    now = [0.0]
+    interceptor = TokenInterceptor(TOKEN, clock=lambda: now[0])
+    forged = "/jaxdist.v1.Worker/Info\nINFO forged: all good" + "x" * 500
+
+    async def refuse(n: int) -> None:
+        for _ in range(n):
+            details = types.SimpleNamespace(method=forged, invocation_metadata=())
+            handler = await interceptor.intercept_service(_never_called, details)
+            assert handler is not None  # the refusal handler, never the continuation
+
+    with caplog.at_level(logging.WARNING, logger="jaxdist.core.transport.security"):
+        asyncio.run(refuse(100))
+        now[0] += TokenInterceptor.LOG_INTERVAL_S
+        asyncio.run(refuse(1))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert all("\n" not in line and len(line) < 250 for line in lines)
+    assert lines[0].startswith("refused '/jaxdist.v1.Worker/Info\\nINFO forged: all good")
+    assert lines[0].endswith("...: missing credentials")
+    assert lines[1].endswith("missing credentials (99 more refused since the last line)")
+
+
+async def _never_called(details: object) -> None:
+    raise AssertionError("a refused call reached the servicer")
+
+
 def test_error_cert_without_key(pki: types.SimpleNamespace) -> None:
     with pytest.raises(AuthError, match="--tls-cert '.*node.pem' given without --tls-key"):
         server_auth(tls_cert=pki.cert)

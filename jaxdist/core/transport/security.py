@@ -29,6 +29,7 @@ import logging
 import os
 import ssl
 import stat
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -258,8 +259,26 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     nothing of it runs, and its request is not even read. The token is compared in constant time.
     """
 
-    def __init__(self, token: str) -> None:
+    LOG_INTERVAL_S = 10.0  # at most one log line per kind of refusal in this interval
+
+    def __init__(self, token: str, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._expected = f"Bearer {token}".encode("ascii")
+        self._clock = clock
+        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged, suppressed)
+
+    def _log_refusal(self, method: str, kind: str) -> None:
+        """Log a refusal, at most once per kind per interval (a caller retrying in a loop must
+        not flood the log), with the method escaped and clipped: it is the caller's text, and a
+        newline in it must not forge a log line."""
+        now = self._clock()
+        last, suppressed = self._logged.get(kind, (float("-inf"), 0))
+        if now - last < self.LOG_INTERVAL_S:
+            self._logged[kind] = (last, suppressed + 1)
+            return
+        self._logged[kind] = (now, 0)
+        shown = ascii(method[:100]) + ("..." if len(method) > 100 else "")
+        more = f" ({suppressed} more refused since the last line)" if suppressed else ""
+        log.warning("refused %s: %s%s", shown, kind, more)
 
     def check(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         """``None`` when the metadata carries the token, else why the call is refused."""
@@ -283,7 +302,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         problem = self.check(handler_call_details.invocation_metadata)
         if problem is None:
             return await continuation(handler_call_details)
-        log.warning("refused %s: %s", handler_call_details.method, problem.split(":")[0])
+        self._log_refusal(str(handler_call_details.method), problem.split(":")[0])
         return _refusal(problem)
 
 
