@@ -67,6 +67,7 @@ def parse_dim(text: str) -> Dim:
     return int(text) if _INT_DIM.fullmatch(text) else text
 
 
+@functools.lru_cache(maxsize=4096)  # asked per axis of every frame a worker checks
 def is_symbol(dim: Dim) -> bool:
     """Whether ``dim`` is a bare symbol (``"b"``), the only kind an input's shape can bind."""
     return isinstance(dim, str) and _SYMBOL.fullmatch(dim) is not None

@@ -56,6 +56,13 @@ _SHA = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _MAJOR = re.compile(r"[0-9]{1,9}", re.ASCII)
 
 
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    n = codec.dtype_from_name(dtype).itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSig:
     """Name, dtype and dims of an activation: one argument or result of a stage.
@@ -95,10 +102,7 @@ class StateSig:
 
     @property
     def nbytes(self) -> int:
-        n = codec.dtype_from_name(self.dtype).itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return _nbytes(self.dtype, self.shape)
 
     def to_proto(self) -> pb.StateSig:
         return pb.StateSig(name=self.name, dtype=self.dtype, shape=list(self.shape))
@@ -140,10 +144,7 @@ class WeightRef:
 
     @property
     def nbytes(self) -> int:
-        n = codec.dtype_from_name(self.dtype).itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return _nbytes(self.dtype, self.shape)
 
     @property
     def binding(self) -> tuple[object, ...]:
