@@ -37,7 +37,7 @@ from jaxdist.core.weights import WeightInfo
 from jaxdist.core.weights.gguf import metadata as gguf_metadata
 from jaxdist.core.weights.uri import resolve_path
 from jaxdist.export.buckets import step_buckets
-from jaxdist.export.causal_lm import CausalLM
+from jaxdist.export.causal_lm import STEP_CONTROL, CausalLM, step_signature
 from jaxdist.export.model import Model, Param, Unit
 from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
@@ -319,13 +319,12 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
                        "output": output}))
     prefill = tuple(int(n) for n in prefill_buckets if 1 <= int(n) <= max_seq)
     buckets = step_buckets(max_slots, prefill)
-    inputs = {"tokens": ("b, s", "int32"), "slot": ("b", "int32"), "pos": ("b", "int32"),
-              "length": ("b", "int32"), "temperature": ("b", "float32"),
-              "top_k": ("b", "int32"), "top_p": ("b", "float32"), "seed": ("b", "uint32")}
+    inputs = step_signature()
     meta = {"family": "gpt2", "config": cfg, "eos_ids": cfg.eos_ids, "bos_id": cfg.bos_id,
             "max_slots": max_slots, "max_seq": max_seq, "prefill_buckets": prefill,
             "tokenizer": {kind: path}, "return_logits": return_logits}
-    return Model(Path(path).name or path, units, inputs, buckets=buckets, meta=meta)
+    return Model(Path(path).name or path, units, inputs, buckets=buckets, meta=meta,
+                 control=STEP_CONTROL)
 
 
 @dataclasses.dataclass(frozen=True)

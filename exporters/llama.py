@@ -10,7 +10,9 @@ cache): ``tokens (b, s) int32``, ``slot``, ``pos``, ``length`` (``(b,) int32``),
 parameters ``temperature (b,) float32``, ``top_k (b,) int32``, ``top_p (b,) float32``,
 ``seed (b,) uint32``. The head returns ``token (b,) int32`` (and ``logits (b, vocab) float32``
 with ``return_logits=True``) for each row's last true token. The next step of a row starts at
-``pos + length``.
+``pos + length``. All inputs but ``tokens`` are step control (``Model.control``,
+:data:`jaxdist.export.causal_lm.STEP_CONTROL`): they travel in each frame's header and every
+stage reads them there, so a hop between stages carries the activation ``x`` alone.
 
 RoPE layout, the one trap of this family:
 
@@ -49,7 +51,7 @@ from jaxdist.core.errors import SpecError
 from jaxdist.core.kernels import ops
 from jaxdist.core.weights import WeightInfo
 from jaxdist.export.buckets import step_buckets
-from jaxdist.export.causal_lm import CausalLM
+from jaxdist.export.causal_lm import STEP_CONTROL, CausalLM, step_signature
 from jaxdist.export.model import Model, Unit
 from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
@@ -389,13 +391,12 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
                       {"norm": w.param("norm", (d,)), "output": output}))
     prefill = tuple(int(n) for n in prefill_buckets if 1 <= int(n) <= max_seq)
     buckets = step_buckets(max_slots, prefill)
-    inputs = {"tokens": ("b, s", "int32"), "slot": ("b", "int32"), "pos": ("b", "int32"),
-              "length": ("b", "int32"), "temperature": ("b", "float32"),
-              "top_k": ("b", "int32"), "top_p": ("b", "float32"), "seed": ("b", "uint32")}
+    inputs = step_signature()
     meta = {"family": "llama", "config": cfg, "eos_ids": cfg.eos_ids, "bos_id": cfg.bos_id,
             "max_slots": max_slots, "max_seq": max_seq, "prefill_buckets": prefill,
             "tokenizer": {kind: path}, "return_logits": return_logits}
-    return Model(Path(path).name or path, units, inputs, buckets=buckets, meta=meta)
+    return Model(Path(path).name or path, units, inputs, buckets=buckets, meta=meta,
+                 control=STEP_CONTROL)
 
 
 class _LlamaExporter:

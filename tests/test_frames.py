@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxdist.core import protowire
+from jaxdist.core import control, protowire
 from jaxdist.core.errors import CodecError
 from jaxdist.core.transport import frames
 from jaxdist.proto import jaxdist_pb2 as pb
 
-HEADER = frames.FrameHeader("pipe", "sess", 7, 2, request_id=99, reply_to="coord")
+HEADER = frames.FrameHeader("pipe", "sess", 7, 2, request_id=99, reply_to="coord",
+                            control=control.encode({"slot": [1, 2], "top_p": [0.5, 1.0]}))
 
 
 def _tensors(n: int) -> dict[str, np.ndarray]:
@@ -35,6 +36,7 @@ def test_split_frame_round_trip(n):
     for i, data in enumerate(msgs):  # what any protobuf reader sees
         msg = pb.Frame.FromString(data)
         assert (msg.pipeline_id, msg.step, msg.stage, msg.request_id) == ("pipe", 7, 2, 99)
+        assert (list(msg.control.slot), list(msg.control.top_p)) == ([1, 2], [0.5, 1.0])
         assert msg.last_chunk == (i == len(msgs) - 1)
     header, out = _assemble([frames.parse_frame(m) for m in msgs])
     assert header == HEADER

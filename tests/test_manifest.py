@@ -44,13 +44,15 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Published:
 def _full_spec() -> StageSpec:
     """A spec with every field away from its default."""
     return StageSpec(
-        artifact_digest=DIGEST, inputs=(TensorSig("x", "float32", ("b", 8)),),
+        artifact_digest=DIGEST, inputs=(TensorSig("x", "float32", ("b", 8)),
+                                        TensorSig("pos", "int32", ("b",))),
         outputs=(TensorSig("y", "bfloat16", ("b", 8)),),
         weights=(WeightRef("w", "gguf://{model}#blk.0.w", (8, 8), "uint8", "cd" * 32, True,
                            True, "Q8_0"),),
         state=(StateSig("k", "float32", (2, 8)),), device="cuda:1", stage_index=1,
         num_stages=3, next_hop="h:1", buckets=(ShapeBucket({"b": 4}),),
-        platforms=("cpu", "cuda"), model="m", stage_id="p/1", artifact=b"bytes")
+        platforms=("cpu", "cuda"), model="m", stage_id="p/1", artifact=b"bytes",
+        control=("pos",))
 
 
 def test_every_spec_field_but_placement_is_written() -> None:
@@ -72,7 +74,8 @@ def test_version_1_specs_still_read() -> None:
     v1 = {"spec_version": spec.spec_version, "model": spec.model, "stage_index": 1,
           "num_stages": 3, "artifact_digest": DIGEST, "platforms": ["cpu", "cuda"],
           "versions": dataclasses.asdict(spec.versions),
-          "inputs": [{"name": "x", "dtype": "float32", "dims": ["b", 8]}],
+          "inputs": [{"name": "x", "dtype": "float32", "dims": ["b", 8]},
+                     {"name": "pos", "dtype": "int32", "dims": ["b"]}],
           "outputs": [{"name": "y", "dtype": "bfloat16", "dims": ["b", 8]}],
           "state": [{"name": "k", "dtype": "float32", "shape": [2, 8]}],
           "buckets": [{"b": 4}],
@@ -80,7 +83,8 @@ def test_version_1_specs_still_read() -> None:
                        "dtype": "uint8", "sha256": "cd" * 32, "packed": True,
                        "transpose": True, "quant": "Q8_0"}]}
     placement = {f: getattr(StageSpec(DIGEST, (), ()), f) for f in PLACEMENT_FIELDS}
-    assert _spec_from_v1(v1) == spec.replace(**placement)
+    # Version 1 predates step control: its stages read every input from the frame's tensors.
+    assert _spec_from_v1(v1) == spec.replace(**placement, control=())
 
 
 def test_round_trip_is_byte_identical(published: Published) -> None:

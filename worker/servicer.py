@@ -372,7 +372,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     continue
                 budget.reset()
                 header, tensors = done
-                shapes = runtime.stage.check_inputs(tensors)
+                tensors, shapes = runtime.accept(header, tensors)
             except Exception as exc:  # noqa: BLE001 - a bad frame is reported, not fatal
                 asm.reset()
                 budget.reset()

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist.coordinator.pipeline import Session
-from jaxdist.core import kernels
+from jaxdist.core import control, kernels
 from jaxdist.core.errors import JaxdistError, TransportError
 from jaxdist.core.runtime import StageRuntime
 from jaxdist.core.sessions import SessionStore
@@ -57,8 +57,8 @@ class _LocalRoute:
         runtimes = self._pipe._runtimes
         if self._index + 1 < len(runtimes):
             nxt = runtimes[self._index + 1]
-            tensors = dict(outputs)
-            await nxt.process(header, tensors, nxt.stage.check_inputs(tensors))
+            tensors, shapes = nxt.accept(header, dict(outputs))
+            await nxt.process(header, tensors, shapes)
         else:
             self._pipe._settle(header.request_id, {k: np.asarray(v) for k, v in outputs.items()})
 
@@ -140,15 +140,15 @@ class InProcessPipeline:
         if self._closed:
             future.set_exception(TransportError(f"pipeline {self.pipeline_id} is closed"))
             return future
-        tensors = dict(inputs)
         first = self._runtimes[0]
+        request_id = next(self._ids)
         try:
-            shapes = first.stage.check_inputs(tensors)
+            tensors, ctl = control.split(inputs, first.spec.control)
+            header = FrameHeader(self.pipeline_id, session_id, step, 0, request_id, control=ctl)
+            tensors, shapes = first.accept(header, tensors)
         except JaxdistError as exc:
             future.set_exception(exc)
             return future
-        request_id = next(self._ids)
-        header = FrameHeader(self.pipeline_id, session_id, step, 0, request_id)
         with self._lock:
             self._pending[request_id] = future
         with self._turn:

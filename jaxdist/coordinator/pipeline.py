@@ -28,6 +28,7 @@ from typing import Any, Protocol, Self
 import grpc
 import numpy as np
 
+from jaxdist.core import control
 from jaxdist.core.errors import JaxdistError, LimitError, RemoteStageError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport.client import WorkerClient
@@ -342,14 +343,17 @@ class Pipeline:
                                  f"worker; submit again once recover() has returned")
         if self._broken is not None:
             raise self._broken
+        # Per-step control (slot, pos, ...) goes in the frame's header, read by every stage.
+        tensors, ctl = control.split(inputs, self.specs[0].control)
         future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()
         request_id = next(self._ids)
         with self._lock:
             self._pending[request_id] = _Pending(future, session_id, step)
-        header = FrameHeader(self.pipeline_id, session_id, step, 0, request_id, self.reply_to)
+        header = FrameHeader(self.pipeline_id, session_id, step, 0, request_id, self.reply_to,
+                             control=ctl)
         try:
             with self._send_lock:
-                for msg in split_frame(header, inputs):
+                for msg in split_frame(header, tensors):
                     self._sender.send(msg, timeout=self.heartbeat_timeout * 4)
         except JaxdistError as exc:
             with self._lock:

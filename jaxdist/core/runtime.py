@@ -46,7 +46,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxdist.core.errors import JaxdistError, LimitError
+from jaxdist.core import control
+from jaxdist.core.errors import JaxdistError, LimitError, SpecError
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.stage import WorkerStage
 from jaxdist.core.transport import status
@@ -168,6 +169,31 @@ class StageRuntime:
 
     # -- ingress ----------------------------------------------------------------------------
 
+    def accept(self, header: FrameHeader, tensors: dict[str, Any]) -> tuple[dict[str, Any], Shapes]:
+        """The inputs of a frame for this stage, checked against its spec, and their shapes.
+
+        The inputs are the frame's tensors plus the fields of its control header that the spec
+        reads (``StageSpec.control``).
+
+        Raises:
+            SpecError: an input is missing, or has the wrong dtype or shape; CodecError: a
+                malformed control header.
+        """
+        names = self.spec.control
+        if names:
+            given = [n for n in names if n in tensors]
+            if given:
+                raise SpecError(f"stage {self.spec.stage_index}: {given} came as tensors; this "
+                                f"stage reads them from the frame's step-control header")
+            fields = control.decode(header.control)
+            missing = [n for n in names if n not in fields]
+            if missing:
+                raise SpecError(f"stage {self.spec.stage_index}: the frame's step-control header "
+                                f"lacks {missing} (it has {sorted(fields)}); send them as step "
+                                f"control, not as tensors")
+            tensors = {**tensors, **{n: fields[n] for n in names}}
+        return tensors, self.stage.check_inputs(tensors)
+
     async def process(self, header: FrameHeader, tensors: dict[str, Any], shapes: Shapes) -> None:
         """Run one frame and send its outputs on, in frame order (call it on the loop).
 
@@ -186,7 +212,8 @@ class StageRuntime:
                 await self._failed(header, exc)
                 return
             nxt = FrameHeader(header.pipeline_id, header.session_id, header.step,
-                              self.spec.stage_index + 1, header.request_id, header.reply_to)
+                              self.spec.stage_index + 1, header.request_id, header.reply_to,
+                              control=header.control)
             if (not self._egress_busy and (self._egress is None or self._egress.empty())
                     and (not self.route.wants_host or (self._on_host
                                                        and _ready_on_host(outputs)))):

@@ -20,6 +20,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from jaxdist.core import codec
+from jaxdist.core.control import check_control
 from jaxdist.core.devices import parse_directive
 from jaxdist.core.dims import Dim, check_dim, parse_dim, symbols_of
 from jaxdist.core.errors import CodecError, DeviceError, SpecError, WeightError
@@ -235,6 +236,9 @@ class StageSpec:
     stage_id: str = ""
     artifact: bytes | None = dataclasses.field(default=None, repr=False)
     spec_version: str = SPEC_VERSION
+    control: tuple[str, ...] = ()
+    """Inputs read from each frame's step-control header (:mod:`jaxdist.core.control`), not
+    from its tensors; empty for a stage exported before the header existed."""
 
     @property
     def weight_bytes(self) -> int:
@@ -259,7 +263,7 @@ class StageSpec:
             weights=[w.to_proto() for w in self.weights], device=self.device,
             next_hop=self.next_hop, buckets=[b.to_proto() for b in self.buckets],
             versions=self.versions.to_proto(), platforms=list(self.platforms),
-            stage_id=self.stage_id)
+            stage_id=self.stage_id, control=list(self.control))
 
     @classmethod
     def from_proto(cls, msg: pb.StageSpec) -> StageSpec:
@@ -273,7 +277,7 @@ class StageSpec:
             next_hop=msg.next_hop, buckets=tuple(ShapeBucket.from_proto(b) for b in msg.buckets),
             platforms=tuple(msg.platforms), versions=Versions.from_proto(msg.versions),
             model=msg.model, stage_id=msg.stage_id, artifact=msg.artifact or None,
-            spec_version=msg.spec_version)
+            spec_version=msg.spec_version, control=tuple(msg.control))
 
     def serialize(self) -> bytes:
         """Wire bytes. Deterministic: a bucket's map entries are written sorted by key (upb's
@@ -324,6 +328,22 @@ def _check_names(field: str, names: Sequence[str]) -> None:
         seen.add(name)
 
 
+def _check_control(spec: StageSpec) -> None:
+    inputs = {s.name: s for s in spec.inputs}
+    seen: set[str] = set()
+    for i, name in enumerate(spec.control):
+        if name in seen:
+            raise _fail(f"control[{i}]", f"duplicate name {_clip(name)}")
+        seen.add(name)
+        sig = inputs.get(name)
+        if sig is None:
+            raise _fail(f"control[{i}]", f"{_clip(name)} is not an input of the stage (its "
+                                         f"inputs are {sorted(inputs)[:16]})")
+        problem = check_control(name, sig.dtype, sig.dims)
+        if problem is not None:
+            raise _fail(f"control[{i}]", problem)
+
+
 def validate(spec: StageSpec) -> None:
     """Check a spec for internal consistency. Does not touch the disk or the devices.
 
@@ -366,6 +386,7 @@ def validate(spec: StageSpec) -> None:
                     raise _fail(f"{field}[{i}].dims[{j}]",
                                 f"{d!r} uses {sorted(symbols_of(d) - symbols)}, which no input "
                                 f"binds (the inputs use {sorted(symbols)})")
+    _check_control(spec)
     _check_names("state", [s.name for s in spec.state])
     for i, st in enumerate(spec.state):
         _check_dtype(f"state[{i}].dtype", st.dtype)

@@ -24,9 +24,11 @@ from collections.abc import Mapping
 from typing import TypeAlias, TypeGuard
 
 from jaxdist.core.codec import SUPPORTED_DTYPES
+from jaxdist.core.control import FIELDS
 from jaxdist.core.errors import SpecError
 
-__all__ = ["STEP_INPUTS", "CausalLM", "JSONValue", "OptionValue"]
+__all__ = ["STEP_CONTROL", "STEP_INPUTS", "CausalLM", "JSONValue", "OptionValue",
+           "step_signature"]
 
 JSONValue: TypeAlias = "str | int | float | bool | None | list[JSONValue] | dict[str, JSONValue]"
 """A value JSON can hold."""
@@ -37,7 +39,22 @@ OptionValue: TypeAlias = "JSONValue | tuple[int, ...]"
 STEP_INPUTS = ("tokens", "slot", "pos", "length", "temperature", "top_k", "top_p", "seed")
 """Every step input the generator knows how to fill, in the order it documents them."""
 
+STEP_CONTROL = ("slot", "pos", "length", "temperature", "top_k", "top_p", "seed")
+"""The step inputs that travel in each frame's control header (:mod:`jaxdist.core.control`),
+read there by every stage, rather than as tensors forwarded from stage to stage."""
+
 _REQUIRED_INPUTS = ("tokens", "slot", "pos", "length")  # the KV-cache protocol itself
+
+
+def step_signature() -> dict[str, tuple[str, str]]:
+    """The input signature of an exported causal LM's step: ``tokens (b, s)``, then the
+    :data:`STEP_CONTROL` inputs, one value per row (the exporters' ``Model.inputs``).
+
+    Example:
+        >>> step_signature()["tokens"], step_signature()["seed"]
+        (('b, s', 'int32'), ('b', 'uint32'))
+    """
+    return {"tokens": ("b, s", "int32"), **{k: ("b", FIELDS[k]) for k in STEP_CONTROL}}
 _TYPED_OPTIONS = ("max_slots", "max_seq", "prefill_buckets", "eos_ids")  # keys with a field
 
 

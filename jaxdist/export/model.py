@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxdist.core import codec, quant
+from jaxdist.core.control import check_control
 from jaxdist.core.errors import SpecError
 from jaxdist.core.spec import WeightRef
 
@@ -155,6 +156,10 @@ class Model:
         constraints: symbolic constraints, e.g. ``("s <= 2048",)``.
         buckets: symbolic dim bindings to compile ahead of time, e.g. ``[{"b": 1, "s": 1}]``.
         meta: free-form information for the caller (tokenizer, eos id, ...); never shipped.
+        control: inputs that are per-step control (:data:`jaxdist.core.control.FIELDS`:
+            ``slot``, ``pos``, ``length``, sampling), one value per row. They travel in each
+            frame's control header, and every stage reads them there: units see them in their
+            carry, may not change them, and need not pass them on.
 
     Example:
         >>> import jax.numpy as jnp
@@ -178,6 +183,7 @@ class Model:
     constraints: Sequence[str] = ()
     buckets: Sequence[Mapping[str, int]] = ()
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    control: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if not self.units:
@@ -188,6 +194,14 @@ class Model:
             raise SpecError(f"model {self.name!r}: duplicate unit names {sorted(dup)}")
         if not self.inputs:
             raise SpecError(f"model {self.name!r}: needs at least one input")
+        for name in self.control:
+            if name not in self.inputs:
+                raise SpecError(f"model {self.name!r}: control input {name!r} is not one of its "
+                                f"inputs {sorted(self.inputs)}")
+            dims, dtype = self.inputs[name]
+            problem = check_control(name, dtype, [d for d in dims.split(",") if d.strip()])
+            if problem is not None:
+                raise SpecError(f"model {self.name!r}: {problem}")
 
     @property
     def weight_bytes(self) -> int:

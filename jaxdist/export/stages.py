@@ -49,19 +49,30 @@ def _operand(param: Param, value: Any) -> Any:
     return value
 
 
-def _stage_fn(units: Sequence[Unit]) -> Callable[..., Any]:
+def _stage_fn(units: Sequence[Unit], control: Sequence[str]) -> Callable[..., Any]:
+    """The stage's function. ``control`` inputs are in every unit's carry (a unit may read
+    them, not change them) and leave the stage in no output: the next stage reads them from
+    the frame's control header, as this one did."""
+
     def stage(params: dict[str, Any], state: dict[str, Any], carry: dict[str, Any]
               ) -> tuple[dict[str, Any], dict[str, Any]]:
+        ctl = {k: carry[k] for k in control}
         new_state: dict[str, Any] = {}
         for u in units:
             p = {k: _operand(param, params[f"{u.name}.{k}"]) for k, param in u.params.items()}
             s = {k: state[f"{u.name}.{k}"] for k in u.state}
-            carry, ns = u.fn(p, s, dict(carry))
+            carry, ns = u.fn(p, s, {**carry, **ctl})
             missing = set(u.state) - set(ns)
             if missing:
                 raise SpecError(f"unit {u.name!r} did not return new state for {sorted(missing)}")
+            changed = [k for k in control if k in carry and carry[k] is not ctl[k]]
+            if changed:
+                raise SpecError(f"unit {u.name!r} returned new values for the step control "
+                                f"{changed}; control inputs are read-only (every stage reads "
+                                f"them from the frame's header): give the new value another "
+                                f"name")
             new_state.update({f"{u.name}.{k}": ns[k] for k in u.state})
-        return carry, new_state
+        return {k: v for k, v in carry.items() if k not in ctl}, new_state
 
     stage.__name__ = f"stage_{units[0].name}_{units[-1].name}"
     return stage
@@ -92,6 +103,8 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
     a CPU worker that has no kernels.
     """
     inputs: dict[str, tuple[str, str]] = dict(model.inputs)
+    control = tuple(model.control)
+    control_inputs = {k: model.inputs[k] for k in control}
     built = []
     for k, rng in enumerate(ranges):
         progress(f"export stage {k}", k, len(ranges))
@@ -105,7 +118,7 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
         for_kernels = any(p.packed for p in params.values())
         with ops.exporting_for_kernels(for_kernels):
             art = artifacts.export_stage(
-                _stage_fn(units),
+                _stage_fn(units, control),
                 params={n: jax.ShapeDtypeStruct(p.bound_shape, jax.numpy.dtype(p.bound_dtype))
                         for n, p in params.items()},
                 unstable_custom_calls=tuple(sorted(kernels.OWN_TARGETS)) if for_kernels else (),
@@ -128,13 +141,14 @@ def build_stage_specs(model: Model, ranges: Sequence[range], *,
             state=tuple(StateSig(n, jax.numpy.dtype(dt).name, tuple(sh))
                         for n, (sh, dt) in state.items()),
             stage_index=k, num_stages=len(ranges), buckets=tuple(buckets),
-            platforms=meta.platforms, model=model.name,
+            platforms=meta.platforms, model=model.name, control=control,
             versions=Versions(jax=meta.jax_version, jaxlib=meta.jaxlib_version,
                               serialization_version=meta.serialization_version,
                               calling_convention_version=meta.calling_convention_version,
                               stablehlo=meta.stablehlo_version))
         built.append(BuiltStage(art, spec))
         inputs = {t.name: (", ".join(str(d) for d in t.dims), t.dtype) for t in meta.outputs}
+        inputs.update(control_inputs)
     progress("exported", len(ranges), len(ranges))
     return built
 

@@ -140,7 +140,7 @@ class Versions(_message.Message):
     def __init__(self, spec: _Optional[str] = ..., jax: _Optional[str] = ..., jaxlib: _Optional[str] = ..., serialization_version: _Optional[int] = ..., calling_convention_version: _Optional[int] = ..., stablehlo: _Optional[str] = ...) -> None: ...
 
 class StageSpec(_message.Message):
-    __slots__ = ("spec_version", "model", "stage_index", "num_stages", "artifact_digest", "artifact", "inputs", "outputs", "state", "weights", "device", "next_hop", "buckets", "versions", "platforms", "stage_id")
+    __slots__ = ("spec_version", "model", "stage_index", "num_stages", "artifact_digest", "artifact", "inputs", "outputs", "state", "weights", "device", "next_hop", "buckets", "versions", "platforms", "stage_id", "control")
     SPEC_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class StageSpec(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PLATFORMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
     spec_version: str
     model: str
     stage_index: int
@@ -173,7 +174,8 @@ class StageSpec(_message.Message):
     versions: Versions
     platforms: _containers.RepeatedScalarFieldContainer[str]
     stage_id: str
-    def __init__(self, spec_version: _Optional[str] = ..., model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., artifact: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateSig, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[WeightRef, _Mapping]]] = ..., device: _Optional[str] = ..., next_hop: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., platforms: _Optional[_Iterable[str]] = ..., stage_id: _Optional[str] = ...) -> None: ...
+    control: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, spec_version: _Optional[str] = ..., model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., artifact: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateSig, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[WeightRef, _Mapping]]] = ..., device: _Optional[str] = ..., next_hop: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., platforms: _Optional[_Iterable[str]] = ..., stage_id: _Optional[str] = ..., control: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("code", "type", "message", "traceback", "stage", "address")
@@ -191,8 +193,26 @@ class RemoteError(_message.Message):
     address: str
     def __init__(self, code: _Optional[str] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., stage: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
+class StepControl(_message.Message):
+    __slots__ = ("slot", "pos", "length", "temperature", "top_k", "top_p", "seed")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    POS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    slot: _containers.RepeatedScalarFieldContainer[int]
+    pos: _containers.RepeatedScalarFieldContainer[int]
+    length: _containers.RepeatedScalarFieldContainer[int]
+    temperature: _containers.RepeatedScalarFieldContainer[float]
+    top_k: _containers.RepeatedScalarFieldContainer[int]
+    top_p: _containers.RepeatedScalarFieldContainer[float]
+    seed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slot: _Optional[_Iterable[int]] = ..., pos: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Frame(_message.Message):
-    __slots__ = ("pipeline_id", "session_id", "step", "kind", "tensors", "error", "last_chunk", "request_id", "reply_to", "stage")
+    __slots__ = ("pipeline_id", "session_id", "step", "kind", "tensors", "error", "last_chunk", "request_id", "reply_to", "stage", "control")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +223,7 @@ class Frame(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     session_id: str
     step: int
@@ -213,7 +234,8 @@ class Frame(_message.Message):
     request_id: int
     reply_to: str
     stage: int
-    def __init__(self, pipeline_id: _Optional[str] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., last_chunk: _Optional[bool] = ..., request_id: _Optional[int] = ..., reply_to: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+    control: StepControl
+    def __init__(self, pipeline_id: _Optional[str] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., last_chunk: _Optional[bool] = ..., request_id: _Optional[int] = ..., reply_to: _Optional[str] = ..., stage: _Optional[int] = ..., control: _Optional[_Union[StepControl, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

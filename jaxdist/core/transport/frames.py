@@ -28,7 +28,11 @@ __all__ = ["EventView", "FrameAssembler", "FrameHeader", "FrameView", "error_fra
 
 @dataclass(frozen=True)
 class FrameHeader:
-    """Routing fields shared by every message of a frame."""
+    """Routing fields shared by every message of a frame, and its step control.
+
+    ``control`` is the frame's serialized ``StepControl`` (:mod:`jaxdist.core.control`), kept
+    as bytes: every stage forwards it as it came, and reads it only where its spec says.
+    """
 
     pipeline_id: str
     session_id: str
@@ -37,10 +41,12 @@ class FrameHeader:
     request_id: int = 0
     reply_to: str = ""
     kind: pb.FrameKind = pb.FRAME_DATA
+    control: bytes = b""
 
 
 _F = {f.name: f.number for f in pb.Frame.DESCRIPTOR.fields}
 _TENSORS = _F["tensors"]
+_CONTROL = _F["control"]
 _RESULT = pb.Event.DESCRIPTOR.fields_by_name["result"].number
 
 # Below this size a message is parsed by protobuf (faster in C than a scan in Python); above
@@ -53,12 +59,15 @@ def _heads(header: FrameHeader, n: int) -> Iterator[bytes]:
     frame = pb.Frame(pipeline_id=header.pipeline_id, session_id=header.session_id,
                      step=header.step, stage=header.stage, request_id=header.request_id,
                      reply_to=header.reply_to, kind=header.kind)
+    # The control header goes out as the bytes it came in (a field order of no consequence).
+    control = (protowire.field_prefix(_CONTROL, len(header.control)) + header.control
+               if header.control else b"")
     if n > 1:
-        more = frame.SerializeToString()
+        more = frame.SerializeToString() + control
         for _ in range(n - 1):
             yield more
     frame.last_chunk = True
-    yield frame.SerializeToString()
+    yield frame.SerializeToString() + control
 
 
 def split_frame(header: FrameHeader, tensors: Mapping[str, Any], *,
@@ -182,8 +191,9 @@ def error_frame(header: FrameHeader, error: pb.RemoteError) -> pb.Frame:
 
 
 def header_of(msg: pb.Frame) -> FrameHeader:
+    control = msg.control.SerializeToString() if msg.HasField("control") else b""
     return FrameHeader(msg.pipeline_id, msg.session_id, msg.step, msg.stage, msg.request_id,
-                       msg.reply_to, msg.kind)
+                       msg.reply_to, msg.kind, control)
 
 
 @dataclass
