@@ -326,6 +326,7 @@ class _BertExporter:
     """The ``jaxdist.exporters`` plugin for BERT encoders (see :mod:`jaxdist.export.plugins`)."""
 
     name: str = "bert"
+    kind: str = "encoder"
     architectures: frozenset[str] = frozenset({"bert", *_ARCHS})
 
     def load(self, path: str, *, roots: Sequence[str], **options: Any) -> LoadedModel:

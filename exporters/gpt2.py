@@ -332,6 +332,7 @@ class _GPT2Exporter:
     """The ``jaxdist.exporters`` plugin for GPT-2 (see :mod:`jaxdist.export.plugins`)."""
 
     name: str = "gpt2"
+    kind: str = "causal-lm"
     architectures: frozenset[str] = frozenset({"gpt2", "GPT2LMHeadModel"})
 
     def load(self, path: str, *, roots: Sequence[str], **options: Any) -> LoadedModel:

@@ -403,6 +403,7 @@ class _LlamaExporter:
     """The ``jaxdist.exporters`` entry point for Llama-family models (see jaxdist.export.plugins)."""
 
     name = "llama"
+    kind = "causal-lm"
     architectures = frozenset({"llama", "qwen2", *_HF_ARCHS})
 
     def load(self, path: str, *, roots: Roots, **options: Any) -> LoadedModel:

@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["Model", "Param", "Unit"], "jaxdist.export.model"),
     **dict.fromkeys(["Pipeline", "Session"], "jaxdist.coordinator.pipeline"),
     "Cluster": "jaxdist.coordinator.cluster",
+    "Engine": "jaxdist.coordinator.engine",
     "InProcessPipeline": "jaxdist.coordinator.inprocess",
 }
 
@@ -52,6 +53,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see (the names are in __all__)
     # ruff: noqa: F401
     from jaxdist.coordinator.cluster import Cluster
+    from jaxdist.coordinator.engine import Engine
     from jaxdist.coordinator.inprocess import InProcessPipeline
     from jaxdist.coordinator.pipeline import Pipeline, Session
     from jaxdist.core.artifacts import Artifact, export_stage, load_artifact

@@ -243,10 +243,9 @@ def test_step_inputs_are_what_the_generator_fills() -> None:
     """STEP_INPUTS is the generator's list: a model with every one of them can be driven."""
     import numpy as np
 
-    from jaxdist.coordinator.generation import Generator, SamplingParams, _Seq
+    from jaxdist.coordinator.request import SamplingParams
+    from jaxdist.coordinator.steps import step_inputs
 
-    gen = Generator(object(), input_dtypes=dict(DTYPES), max_slots=1, max_seq=8,
-                    prefill_buckets=(4,))
-    arrays = gen._inputs([(_Seq(0, [1], SamplingParams(), slot=0), [1])], 4)
+    arrays = step_inputs([(0, 0, [1], SamplingParams())], 4, dtypes=dict(DTYPES), max_slots=1)
     assert tuple(arrays) == STEP_INPUTS
     assert all(isinstance(a, np.ndarray) for a in arrays.values())

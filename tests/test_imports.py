@@ -21,10 +21,11 @@ SIDES: dict[str, set[str]] = {
     "jaxdist.registry": {"jaxdist.core", "jaxdist.export"},
     "jaxdist.coordinator": {"jaxdist.core", "jaxdist.export", "jaxdist.registry"},
     "jaxdist.worker": {"jaxdist.core"},
+    "jaxdist.serving": {"jaxdist.core", "jaxdist.coordinator"},
 }
 # Everything a worker process must not load.
 NOT_IN_A_WORKER = ("jaxdist.coordinator", "jaxdist.registry", "jaxdist.export", "jaxdist.cli",
-                   "jaxdist.exporters")
+                   "jaxdist.exporters", "jaxdist.serving")
 
 TESTS = pathlib.Path(__file__).resolve().parent
 

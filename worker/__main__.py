@@ -1,13 +1,18 @@
 """``jaxdist-worker`` / ``python -m jaxdist.worker``: the generic worker process.
 
-Prints ``jaxdist-worker listening on HOST:PORT device=PLATFORM:INDEX`` on stdout once it is ready.
-SIGTERM (or SIGINT) drains in-flight frames, then exits 0.
+Prints ``jaxdist-worker listening on HOST:PORT device=PLATFORM:INDEX`` on stdout once it is ready,
+its first line (then ``jaxdist-worker health on HOST:PORT`` and ``jaxdist-worker metrics on
+http://HOST:PORT/metrics`` when ``--health-listen`` and ``--metrics-listen`` are given; they
+come after it so that a reader waiting for the first line finds it first), and its gRPC health
+turns ``SERVING``. SIGTERM (or SIGINT) turns health ``NOT_SERVING``, drains
+in-flight frames, then exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -15,6 +20,7 @@ import threading
 
 from jaxdist.core import codec
 from jaxdist.core import config as jd_config
+from jaxdist.core.about import version_line
 from jaxdist.core.errors import JaxdistError
 from jaxdist.worker.limits import MAX_ID_BYTES
 
@@ -31,9 +37,19 @@ def _size(text: str) -> int:
     return int(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
 
 
+def _host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9100`` for IPv6; port 0 picks a free port); for argparse."""
+    host, _, port = text.rpartition(":")
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port, re.ASCII) or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT such as 127.0.0.1:9100, found "
+                                         f"{text!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="jaxdist-worker", description="The generic jaxdist worker: "
                                 "runs any stage a coordinator ships to it.")
+    p.add_argument("--version", action="version", version=version_line("jaxdist-worker"))
     p.add_argument("--listen", default="127.0.0.1:50051",
                    help="HOST:PORT to serve on; port 0 picks a free port (default %(default)s)")
     p.add_argument("--device", default="auto",
@@ -92,6 +108,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     auth.add_argument("--tls-ca", default=None, metavar="PEM",
                       help="mutual TLS: require client certificates signed by this CA; also "
                            "verifies the next hops' certificates")
+    ops = p.add_argument_group(
+        "health and metrics", "plaintext ports without credentials, off by default; bind them to "
+        "loopback or a private network (see SECURITY.md)")
+    ops.add_argument("--health-listen", type=_host_port, default=None, metavar="HOST:PORT",
+                     help="also serve gRPC health (grpc.health.v1, nothing else) in plaintext "
+                          "here, for probes that cannot do this worker's TLS or token, such as "
+                          "Kubernetes' gRPC probes. Health is always on --listen too")
+    ops.add_argument("--metrics-listen", type=_host_port, default=None, metavar="HOST:PORT",
+                     help="serve Prometheus metrics over HTTP here (any path, e.g. /metrics): "
+                          "stage compute times, frames, bytes, sessions, state bytes, compile "
+                          "cache; they name the pipelines")
     kern = p.add_argument_group("CPU kernels", "native kernels for quantized GGUF weights "
                                 "(jaxdist.core.kernels; built on first start, then cached)")
     kern.add_argument("--kernel-threads", type=int, default=0, metavar="N",
@@ -154,13 +181,35 @@ def main(argv: list[str] | None = None) -> int:
     except JaxdistError as exc:
         print(f"jaxdist-worker: {exc}", file=sys.stderr)
         return 2
+    metrics = None
+    ports: list[str] = []  # printed after the ready line
+    try:
+        if opts.health_listen is not None:
+            health_address = servicer.health.serve(*opts.health_listen)
+            ports.append(f"jaxdist-worker health on {health_address}")
+        if opts.metrics_listen is not None:
+            from jaxdist.worker.metrics import serve_metrics
+
+            metrics = serve_metrics(*opts.metrics_listen, servicer)
+            ports.append(f"jaxdist-worker metrics on http://{metrics.address}/metrics")
+    except JaxdistError as exc:
+        print(f"jaxdist-worker: {exc}", file=sys.stderr)
+        server.stop(grace=0).wait()
+        servicer.close()
+        servicer.health.close()
+        return 2
     jd_config.configure_compilation_cache(cache_dir, servicer.device.device_kind)
     warning = security.exposure_warning(opts.listen.rpartition(":")[0], auth)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
     if not opts.weights_root:
         logging.getLogger("jaxdist.worker").warning(
-            "no --weight-root given: every weight URI will be refused")
+            "no --weights-root given: every weight URI will be refused")
+    for root in opts.weights_root:
+        if not os.path.isdir(root):
+            logging.getLogger("jaxdist.worker").warning(
+                "--weights-root %s is not a directory (yet): weight URIs under it are refused "
+                "until it exists", root)
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -168,12 +217,18 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    servicer.health.set_serving()
     print(f"jaxdist-worker listening on {address} device={servicer.device_name}", flush=True)
+    for line in ports:
+        print(line, flush=True)
     stop.wait()
-    drained = servicer.drain(timeout=30)
+    drained = servicer.drain(timeout=30)  # health turns NOT_SERVING first
     servicer.hub.shutdown()  # ends the coordinators' subscriptions, so the grace period is short
     server.stop(grace=2).wait()
     servicer.close()
+    servicer.health.close()  # the --health-listen port answers NOT_SERVING until here
+    if metrics is not None:
+        metrics.close()
     if not drained:
         logging.getLogger("jaxdist.worker").warning("shut down with frames still in flight")
     return 0

@@ -8,7 +8,7 @@ long compile or weight load never stalls the loop.
 
 Credentials (``jaxdist.core.transport.security``): with TLS the port is a secure port (mutual TLS when
 a CA is given); with a token, an interceptor refuses every call without it before the servicer
-sees the call.
+sees the call, except the health checks (``grpc.health.v1``, served here too: ``worker/health.py``).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
         address = f"{host}:{bound}"
         servicer = WorkerServicer(config, address=address)
         wire.add_worker_servicer(servicer, server)
+        await servicer.health.attach(server)
         await server.start()
         return server, servicer, address
 

@@ -40,6 +40,7 @@ from jaxdist.core.transport.security import ClientAuth
 from jaxdist.core.weights import WeightCache
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
+from jaxdist.worker.health import WorkerHealth
 from jaxdist.worker.limits import MAX_ID_BYTES, FrameBudget, check_ids, default_max_kv_bytes
 from jaxdist.worker.runtime import HEARTBEAT, GrpcRoute, Hub, PeerPool, Subscription
 
@@ -142,6 +143,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._lock = threading.Lock()
         self._draining = threading.Event()
+        self.health = WorkerHealth()  # grpc.health.v1; server.py serves it
         # Waits for device results and compiles new shapes, off the data-plane loop.
         self._egress_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="egress")
@@ -159,6 +161,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         period = min(max(self.config.session_idle_timeout / 4, 0.05), 30.0)
         while not self._reaper_stop.wait(period):
             self.sessions.reclaim_idle()
+
+    def runtimes(self) -> list[StageRuntime]:
+        """The loaded stages, as they are now (the metrics read them)."""
+        with self._lock:
+            return list(self._stages.values())
 
     # -- control plane ----------------------------------------------------------------------
 
@@ -194,6 +201,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              sessions=self.sessions.count(rt.stage_id), device=str(rt.stage.device),
                              packed_bytes=rt.stage.packed_bytes,
                              dequantized_types=rt.stage.dequantized_types,
+                             frames=rt.frames_done, compute_seconds=rt.compute_s,
+                             bytes_in=rt.bytes_in, bytes_out=rt.bytes_out,
                              threaded_shapes=["x".join(str(s) for s in shapes)
                                               for shapes in rt.threaded_shapes])
         return reply
@@ -429,7 +438,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     # -- lifecycle --------------------------------------------------------------------------
 
     def drain(self, timeout: float = 30.0) -> bool:
-        """Refuse new frames and wait for in-flight ones to leave. True when all finished."""
+        """Refuse new frames and wait for in-flight ones to leave. True when all finished.
+
+        Health turns ``NOT_SERVING`` first, for good."""
+        self.health.shutting_down()
         self._draining.set()
         deadline = time.monotonic() + timeout
         with self._lock:

@@ -8,6 +8,8 @@ Subcommands:
     unload    unload a deployed pipeline from its workers
     registry  ls | show | gc: look into an artifact registry and tidy it
     demo      deploy a small MLP across local workers and check it against numpy
+    chat      a multi-turn chat in the terminal, over the same engine
+    serve     an OpenAI-compatible HTTP server (completions, chat, embeddings) with metrics
     status    a table per worker: address, device, memory, versions, stages, sessions, uptime
 
 Every failure a user can fix prints one line (``jaxdist: error: ...``) and exits 1.
@@ -20,15 +22,17 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from jaxdist.cli import demo, deploy, export, generate, registry, status
+from jaxdist.cli import chat, demo, deploy, export, generate, registry, serve, status
+from jaxdist.core.about import version_line
 from jaxdist.core.errors import JaxdistError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxdist", description="Run models across generic workers.")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--version", action="version", version=version_line("jaxdist"))
     sub = p.add_subparsers(dest="command", required=True)
     generate.add_parsers(sub)
     export.add_parser(sub)
@@ -36,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     registry.add_parser(sub)
     demo.add_parser(sub)
     status.add_parser(sub)
+    serve.add_parser(sub)
+    chat.add_parser(sub)
     return p
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S
 from jaxdist.core.errors import JaxdistError
 
 if TYPE_CHECKING:  # gRPC is imported only by the verbs that dial workers
@@ -86,7 +87,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "--local)")
     p.add_argument("--stages", type=int, default=None, metavar="N",
                    help="pipeline stages (default: one per worker)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
+    p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S, metavar="S",
                    help="declare a silent worker dead after S seconds (default %(default)s)")
     add_auth_args(p)
 
@@ -96,15 +97,23 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
     """Connect to ``--workers``, or spawn ``--local`` workers whose roots hold the model."""
     from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415
 
-    if opts.workers and opts.local:
+    if opts.workers and opts.local is not None:
         raise JaxdistError("give either --workers or --local, not both")
+    if opts.local is not None and opts.local < 1:
+        raise JaxdistError(f"--local {opts.local}: expected a number of workers >= 1")
     spares = getattr(opts, "spares", "")
     if opts.workers:
+        addresses = [a.strip() for a in opts.workers.split(",") if a.strip()]
+        check_addresses("--workers", addresses)
+        if not re.fullmatch(r"[0-9]+", spares, re.ASCII):
+            check_addresses("--spares", [a.strip() for a in spares.split(",") if a.strip()])
+        n = len(addresses)
+        print(f"connecting to {n} worker{'s' if n != 1 else ''}", file=sys.stderr)
         if re.fullmatch(r"[0-9]+", spares, re.ASCII):
             raise JaxdistError(f"--spares {spares}: with --workers, give the spares' addresses "
                                f"(HOST:PORT,...); a count is for --local")
         auth = client_auth_of(opts)
-        cluster = Cluster.connect(opts.workers, heartbeat_timeout=opts.heartbeat_timeout,
+        cluster = Cluster.connect(addresses, heartbeat_timeout=opts.heartbeat_timeout,
                                   metadata=auth.metadata, credentials=auth.credentials,
                                   spares=[a.strip() for a in spares.split(",") if a.strip()])
     else:
@@ -121,6 +130,15 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
         yield cluster
     finally:
         cluster.close()
+
+
+def check_addresses(flag: str, addresses: Sequence[str]) -> None:
+    """Refuse an address that is not ``HOST:PORT`` (gRPC would dial port 443 for a bare host)."""
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise JaxdistError(f"{flag}: {a!r} is not HOST:PORT (a worker's address needs its "
+                               f"port, e.g. {host or a}:50051)")
 
 
 def fmt_bytes(n: float) -> str:

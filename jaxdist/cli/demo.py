@@ -28,8 +28,12 @@ def add_parser(sub: Any) -> None:
 
 
 def run(opts: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="jaxdist-demo-") as root:  # removed at the end
+        return _run(opts, root)
+
+
+def _run(opts: argparse.Namespace, root: str) -> int:
     d, layers = opts.width, opts.layers
-    root = tempfile.mkdtemp(prefix="jaxdist-demo-")
     rng = np.random.default_rng(0)
     weights = {f"l{i}.w": (rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32)
                for i in range(layers)}

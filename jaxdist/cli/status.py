@@ -13,12 +13,38 @@ import argparse
 import json
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from jaxdist.cli.common import add_auth_args, client_auth_of, fmt_bytes
 from jaxdist.core.errors import JaxdistError
 
 __all__ = ["add_parser"]
+
+
+_INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
+
+
+def _as_json(msg: Message) -> dict[str, Any]:
+    """The message as JSON, with 64-bit integers as numbers (proto3 JSON writes them as strings,
+    for JavaScript; byte counts read better as numbers, and Python's json is exact)."""
+    out = MessageToDict(msg, preserving_proto_field_name=True)
+
+    def fix(d: dict[str, Any], desc: Any) -> None:
+        for f in desc.fields:
+            if f.name not in d:
+                continue
+            if f.cpp_type in _INT64:
+                d[f.name] = ([int(v) for v in d[f.name]] if isinstance(d[f.name], list)
+                             else int(d[f.name]))
+            elif f.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE and f.message_type is not None \
+                    and not f.message_type.GetOptions().map_entry:
+                for item in (d[f.name] if isinstance(d[f.name], list) else [d[f.name]]):
+                    fix(item, f.message_type)
+
+    fix(out, msg.DESCRIPTOR)
+    return out
 
 
 def add_parser(sub: Any) -> None:
@@ -47,8 +73,7 @@ def run(opts: argparse.Namespace) -> int:
         finally:
             c.close()
     if opts.json:
-        print(json.dumps([MessageToDict(r, preserving_proto_field_name=True) for r in replies],
-                         indent=2))
+        print(json.dumps([_as_json(r) for r in replies], indent=2))
         return 0
     for r in replies:
         mem = r.devices[0] if r.devices else None

@@ -30,6 +30,7 @@ import grpc
 from jaxdist.coordinator.pipeline import Pipeline, Session
 from jaxdist.coordinator.spawn import LocalWorker, spawn_workers, stop_workers
 from jaxdist.core import codec, kernels
+from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S
 from jaxdist.core.errors import ArtifactError, JaxdistError, SpecError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport.client import WorkerClient
@@ -83,7 +84,7 @@ class Cluster:
     """
 
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0,
-                 heartbeat_timeout: float = 5.0, metadata: tuple[tuple[str, str], ...] = (),
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, metadata: tuple[tuple[str, str], ...] = (),
                  credentials: grpc.ChannelCredentials | None = None,
                  spares: Sequence[str] = ()) -> None:
         if not addresses:

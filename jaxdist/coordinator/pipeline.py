@@ -9,8 +9,9 @@ slow one, and a broken subscription names a dead worker within seconds. A :class
 consecutive steps of one sequence whose state stays on the workers.
 
 When a worker dies, :meth:`Pipeline.recover` moves its stages to one of the cluster's spare
-workers and reconnects; the session state is gone, and the caller replays its steps (the
-generation engine does, see :mod:`jaxdist.coordinator.generation`).
+workers and reconnects; the session state is gone, and the caller rebuilds it on a new
+session (the generation engine prefills its running requests again, see
+:mod:`jaxdist.coordinator.engine`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import grpc
 import numpy as np
 
 from jaxdist.core import control
+from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S
 from jaxdist.core.errors import JaxdistError, LimitError, RemoteStageError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport.client import WorkerClient
@@ -101,7 +103,7 @@ class Pipeline:
     """
 
     def __init__(self, cluster: Placement, pipeline_id: str, specs: Sequence[StageSpec],
-                 clients: Sequence[WorkerClient], *, heartbeat_timeout: float = 5.0,
+                 clients: Sequence[WorkerClient], *, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                  model: Model | None = None, fetch: Callable[[str], bytes] | None = None) -> None:
         self.cluster = cluster
         self.pipeline_id = pipeline_id
@@ -263,8 +265,9 @@ class Pipeline:
         compilation-cache hit per stage. When every worker answers (a dropped connection, not a
         dead worker), the stages are reloaded where they are.
 
-        Session state (KV caches) does not survive a failover: the caller replays its steps on
-        a new session. :class:`~jaxdist.coordinator.generation.Generator` does that by itself.
+        Session state (KV caches) does not survive a failover: the caller rebuilds it on a new
+        session. :class:`~jaxdist.coordinator.engine.Engine` does that by itself (it prefills
+        each running request again with its prompt and the tokens it generated).
 
         Steps still in flight fail with the error that broke the pipeline. Do not submit while
         this runs: :meth:`submit` refuses until it returns.
@@ -417,6 +420,12 @@ class Pipeline:
             except JaxdistError as exc:
                 log.warning("could not end session %s on %s: %s", session_id, c.address, exc)
         return freed
+
+    def heartbeat_ages(self) -> dict[str, float]:
+        """Seconds since each worker's last event on its subscription (a heartbeat or a
+        result), by address."""
+        now = time.monotonic()
+        return {address: now - seen for address, seen in list(self._last_seen.items())}
 
     def stage_memory(self) -> list[dict[str, Any]]:
         """What each stage binds on its worker, from ``Info``: one dict per stage with

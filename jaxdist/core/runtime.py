@@ -35,6 +35,7 @@ control pushes back to the sender).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import concurrent.futures
 import logging
@@ -62,6 +63,9 @@ log = logging.getLogger(__name__)
 QUEUE_DEPTH = 32  # frames buffered per stage on egress
 INLINE_MAX_S = 0.05  # steps of a shape that all took longer run in a thread from then on
 TIMED_STEPS = 3  # ... of the last this many (one preempted step does not count)
+# Upper bounds (s) of the step-time counts a stage keeps, the worker's metrics histogram
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                        2.5, 5.0, 10.0)
 
 Shapes = tuple[tuple[int, ...], ...]
 
@@ -159,6 +163,13 @@ class StageRuntime:
         self._egress_busy = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.frames_done = 0
+        # Read by the worker's metrics at scrape time; updated on the loop only.
+        self.bytes_in = 0  # tensor bytes of the frames run
+        self.bytes_out = 0  # tensor bytes of the frames sent on (frames_done)
+        self.compute_s = 0.0  # seconds of the steps run
+        self.step_counts = [0] * (len(STEP_SECONDS_BUCKETS) + 1)  # steps by bucket; last: over
+        self.compile_hits = 0  # frames whose shapes were compiled already
+        self.compile_misses = 0  # frames that waited for their shapes to compile
         self._inflight = 0
         self._inflight_lock = threading.Condition()
 
@@ -244,7 +255,10 @@ class StageRuntime:
                     f"shapes number {len(compiled) + 1}, over the limit of the worker "
                     f"(--max-compiled-shapes={self._max_shapes}); pad the inputs to a shape "
                     f"it has compiled, such as {compiled[:3]}")
+            self.compile_misses += 1
             await loop.run_in_executor(self._pool, self.stage.compile_shapes, shapes)
+        else:
+            self.compile_hits += 1
         threaded = not times or min(times) > INLINE_MAX_S
         if threaded:
             outputs, took = await loop.run_in_executor(self._pool, self._timed, header, tensors,
@@ -252,6 +266,9 @@ class StageRuntime:
         else:
             outputs, took = self._timed(header, tensors, shapes)
         times.append(took)
+        self.compute_s += took
+        self.step_counts[bisect.bisect_left(STEP_SECONDS_BUCKETS, took)] += 1
+        self.bytes_in += sum(t.nbytes for t in tensors.values())
         if min(times) > INLINE_MAX_S and shapes not in self._long:
             self._long.add(shapes)
             log.info("stage %s: steps of input shapes %s take %.1f ms; they run in a thread so "
@@ -336,6 +353,7 @@ class StageRuntime:
             await self._failed(header, exc)
             return
         self.frames_done += 1
+        self.bytes_out += sum(t.nbytes for t in outputs.values())
 
     def _done_one(self) -> None:
         with self._inflight_lock:

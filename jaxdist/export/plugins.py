@@ -78,6 +78,9 @@ class LoadedModel:
 class Exporter(Protocol):
     name: str
     architectures: frozenset[str]
+    kind: str
+    """The ``LoadedModel.kind`` of its models (``"causal-lm"``, ``"encoder"``): which options
+    its ``load`` takes (a causal LM's ``max_seq``, ``max_slots``, ...) and which verbs run it."""
 
     def load(self, path: str, *, roots: Sequence[str], **options: Any) -> LoadedModel: ...
 
@@ -147,9 +150,18 @@ def load_model(path: str | os.PathLike[str], *, roots: Sequence[str], **options:
         roots: weight roots.
         options: passed to the exporter (``max_seq``, ``dtype``, ...).
     """
+    return exporter_for(path, roots=roots).load(str(path), roots=roots, **options)
+
+
+def exporter_for(path: str | os.PathLike[str], *, roots: Sequence[str]) -> Exporter:
+    """The exporter of a model file or directory (a relative path is looked up under
+    ``roots``), from its metadata only.
+
+    Raises:
+        SpecError: the path does not exist, carries no architecture, or no exporter knows it.
+    """
     local = pathlib.Path(path)
     if not local.is_absolute():
         local = next((pathlib.Path(r) / path for r in roots if (pathlib.Path(r) / path).exists()),
                      local)
-    arch = architecture_of(local)
-    return find_exporter(arch).load(str(path), roots=roots, **options)
+    return find_exporter(architecture_of(local))

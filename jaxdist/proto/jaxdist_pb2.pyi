@@ -256,7 +256,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, platform: _Optional[str] = ..., index: _Optional[int] = ..., kind: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_free: _Optional[int] = ...) -> None: ...
 
 class LoadedStage(_message.Message):
-    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types", "threaded_shapes")
+    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types", "threaded_shapes", "frames", "compute_seconds", "bytes_in", "bytes_out")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,10 @@ class LoadedStage(_message.Message):
     PACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEQUANTIZED_TYPES_FIELD_NUMBER: _ClassVar[int]
     THREADED_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     pipeline_id: str
     stage_index: int
@@ -279,7 +283,11 @@ class LoadedStage(_message.Message):
     packed_bytes: int
     dequantized_types: _containers.RepeatedScalarFieldContainer[str]
     threaded_shapes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ..., threaded_shapes: _Optional[_Iterable[str]] = ...) -> None: ...
+    frames: int
+    compute_seconds: float
+    bytes_in: int
+    bytes_out: int
+    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ..., threaded_shapes: _Optional[_Iterable[str]] = ..., frames: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class KernelInfo(_message.Message):
     __slots__ = ("version", "types", "targets", "threads", "unavailable_reason")

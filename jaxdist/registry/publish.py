@@ -87,7 +87,8 @@ def publish(model: Model | LoadedModel, registry: Registry | str | os.PathLike[s
         model_path: the model's location as its weight URIs name it (e.g. ``"m.gguf"``). URIs
             under it are written as ``{model}...``, so a deploy can put the model elsewhere.
             ``None`` keeps the URIs as they are.
-        name: the manifest's model name (default: the model's).
+        name: the manifest's model name (default: the model's, without a ``.gguf`` suffix, as
+            ``jaxdist export`` names it).
         export_options: the options the model was described with (recorded for later).
         exported_from: the model's absolute path here (recorded, informational).
         progress: ``progress(what, done, total)`` callback.
@@ -124,7 +125,7 @@ def publish(model: Model | LoadedModel, registry: Registry | str | os.PathLike[s
     meta = built[0].artifact.meta
     manifest = Manifest(
         model=ModelInfo(
-            name=name or bare.name or "model",
+            name=name or bare.name.removesuffix(".gguf") or "model",
             architecture=loaded.architecture if loaded is not None else "",
             kind=loaded.kind if loaded is not None else "",
             path=model_path or "",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -75,11 +76,29 @@ class WorkerClient:
             raise error from None
 
     def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until the worker's channel is connected, at most ``timeout`` seconds.
+
+        A connection that fails (refused: nothing listens there; a TLS mismatch) is reported
+        at once rather than after the timeout.
+
+        Raises:
+            TransportError: not reachable, naming the address and why.
+        """
+        settled = threading.Event()
+        states: list[grpc.ChannelConnectivity] = []
+
+        def seen(state: grpc.ChannelConnectivity) -> None:
+            if state in (grpc.ChannelConnectivity.READY,
+                         grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+                states.append(state)
+                settled.set()
+
+        self.channel.subscribe(seen, try_to_connect=True)
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            pass
-        else:
+            settled.wait(timeout)
+        finally:
+            self.channel.unsubscribe(seen)
+        if states and states[0] == grpc.ChannelConnectivity.READY:
             return
         # Why it is not ready: one short call says it (e.g. a TLS mismatch, given a hint).
         try:
@@ -89,7 +108,8 @@ class WorkerClient:
                 raise raise_for_rpc(exc, self.address, "Info") from None
             details = exc.details() or ""
             hint = security.connection_hint(details, tls=self.tls)
-            raise TransportError(f"worker {self.address} is not reachable after {timeout}s: "
+            waited = "" if states else f" after {timeout}s"
+            raise TransportError(f"worker {self.address} is not reachable{waited}: "
                                  f"{exc.code().name}: {details}{hint}") from None
         # It answered: it became reachable just now.
 

@@ -35,16 +35,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from jaxdist.core.errors import AuthError
 
-__all__ = ["ClientAuth", "ServerAuth", "TokenInterceptor", "client_auth", "connection_hint",
-           "exposure_warning", "is_loopback", "read_token", "server_auth"]
+__all__ = ["TOKENLESS_METHODS", "ClientAuth", "ServerAuth", "TokenInterceptor", "client_auth",
+           "connection_hint", "exposure_warning", "is_loopback", "read_token", "server_auth"]
 
 log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
 MIN_TOKEN_CHARS = 16  # shorter tokens are accepted, with a warning
+
+_HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
+TOKENLESS_METHODS = frozenset(f"/{_HEALTH.full_name}/{name}" for name in ("Check", "List")
+                              if name in _HEALTH.methods_by_name)
+"""The calls a worker answers without the token: the gRPC health checks, which Kubernetes'
+probes and ``grpc_health_probe`` make without credentials. A caller learns the serving status
+and nothing else. Both are unary, so a caller without the token cannot hold a call open:
+``Watch`` needs the token (SECURITY.md, "Health checks and metrics")."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +266,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     It runs before the method's handler is chosen, so a refused call never reaches the servicer:
     nothing of it runs, and its request is not even read. The token is compared in constant time.
+    The health checks of :data:`TOKENLESS_METHODS` pass without it.
     """
 
     LOG_INTERVAL_S = 10.0  # at most one log line per kind of refusal in this interval
@@ -299,6 +309,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             self, continuation: Callable[[grpc.HandlerCallDetails],
                                          Awaitable[grpc.RpcMethodHandler | None]],
             handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if handler_call_details.method in TOKENLESS_METHODS:
+            return await continuation(handler_call_details)
         problem = self.check(handler_call_details.invocation_metadata)
         if problem is None:
             return await continuation(handler_call_details)

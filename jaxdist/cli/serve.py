@@ -1,0 +1,190 @@
+"""``jaxdist serve``: an OpenAI-compatible HTTP server over a model deployed on workers.
+
+The HTTP server comes up first and answers ``/health`` with 503 while the model is deployed
+(the workers compile for tens of seconds); it prints ``jaxdist: ready`` on stderr and answers
+200 once the model serves. SIGINT or SIGTERM stops it: requests in flight end, the stages are
+unloaded and local workers stopped.
+
+Needs the ``serve`` extra (``pip install 'jaxdist[serve]'``: FastAPI, uvicorn,
+prometheus-client); workers do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
+from jaxdist.cli.generate import Plan, add_model_args, encoder_inputs, load_for, manifest_plan
+from jaxdist.core.errors import JaxdistError, SpecError
+
+__all__ = ["add_parser"]
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "JAXDIST_API_KEY"
+
+
+def add_parser(sub: Any) -> None:
+    s = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (completions, "
+                                     "chat, embeddings) with Prometheus metrics")
+    add_cluster_args(s)
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                   "%(default)s; 0.0.0.0 listens on every interface)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s; 0 "
+                   "picks a free one, printed when listening)")
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (repeatable; also "
+                        f"${API_KEY_ENV}, comma-separated); /health and /metrics stay open")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send (default: the model's file name)")
+    s.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests that may wait for a KV slot; more get 503 with Retry-After "
+                        "(default %(default)s)")
+    s.set_defaults(run=run_serve)
+
+
+def _api_keys(opts: argparse.Namespace) -> list[str]:
+    keys = list(opts.api_key)
+    keys += [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    for k in keys:
+        if not k or any(c.isspace() for c in k):
+            raise SpecError("--api-key: a key must be non-empty and hold no whitespace")
+    return keys
+
+
+def _need_serve_extra() -> None:
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecError(f"jaxdist serve needs {', '.join(missing)}: pip install "
+                        f"'jaxdist[serve]'")
+
+
+class _Loader(threading.Thread):
+    """Deploys the model while the HTTP server already answers, then holds the cluster open
+    until the server stops."""
+
+    def __init__(self, opts: argparse.Namespace, plan: Plan | None, loaded: Any,
+                 roots: list[str], state: Any) -> None:
+        super().__init__(name="jaxdist-serve-loader", daemon=True)
+        self.opts, self.plan, self.loaded, self.roots, self.state = opts, plan, loaded, roots, state
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from jaxdist.coordinator.engine import Engine  # noqa: PLC0415
+        from jaxdist.serving.app import Served  # noqa: PLC0415
+        from jaxdist.serving.metrics import PipelineCollector  # noqa: PLC0415
+
+        try:
+            with open_cluster(self.opts, self.roots) as cluster:
+                progress = ProgressBar()
+                if self.plan is not None:
+                    pipe = self.plan.deploy(cluster, progress)
+                    engine = Engine.for_model(pipe, self.plan.lm, tokenizer=self.plan.tokenizer,
+                                              max_queue=self.opts.max_queue,
+                                              observer=self.state.metrics)
+                    self.state.metrics.watch_engine(engine)
+                    served = Served(self.state.name, "causal-lm", self.plan.tokenizer,
+                                    engine=engine, max_seq=self.plan.lm.max_seq,
+                                    broken=lambda: pipe.broken)
+                else:
+                    pipe = cluster.deploy(self.loaded.model, stages=self.opts.stages,
+                                          progress=progress)
+                    engine = None
+                    served = Served(self.state.name, "encoder", self.loaded.tokenizer,
+                                    embed=_embedder(pipe, self.loaded), broken=lambda: pipe.broken)
+                def info(address: str) -> Any:  # the clients change when a spare steps in
+                    live = [c for c in cluster.clients + cluster.spare_clients
+                            if c.address == address]
+                    return live[0].info(timeout=1.0) if live else None
+
+                self.state.metrics.registry.register(PipelineCollector(
+                    self.state.name, lambda: pipe, info,
+                    recomputed=lambda: engine.recomputed if engine is not None else 0))
+                self.state.serve(served)
+                print(f"jaxdist: ready: {self.state.name} on {len(pipe.clients)} workers",
+                      file=sys.stderr, flush=True)
+                self.stop.wait()
+                if engine is not None:
+                    engine.close()
+                pipe.close(unload=self.plan.unload if self.plan is not None else True)
+        except BaseException as exc:  # noqa: BLE001 - shown by /health and on stderr
+            self.error = exc
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.state.fail(first)
+            print(f"jaxdist: error: {first}", file=sys.stderr, flush=True)
+
+
+def _embedder(pipe: Any, loaded: Any) -> Any:
+    buckets = tuple(loaded.options.get("buckets", ()))
+
+    def embed(rows: Sequence[Sequence[int]]) -> np.ndarray:
+        ids, mask = encoder_inputs(rows, buckets)
+        return np.asarray(pipe.call(input_ids=ids, attention_mask=mask)["embedding"], np.float32)
+
+    return embed
+
+
+def run_serve(opts: argparse.Namespace) -> int:
+    _need_serve_extra()
+    import uvicorn  # noqa: PLC0415
+
+    from jaxdist.serving.app import ServerState, create_app  # noqa: PLC0415
+
+    keys = _api_keys(opts)
+    if opts.port < 0 or opts.port > 65535:
+        raise SpecError(f"--port: expected 0..65535, found {opts.port}")
+    plan: Plan | None = None
+    loaded: Any = None
+    if opts.manifest:
+        plan = manifest_plan(opts)
+        name, roots = plan.name, plan.roots
+    else:
+        name, roots, loaded = load_for(opts)
+        if loaded.causal_lm is not None:
+            plan = Plan(name, roots, loaded.tokenizer, loaded.causal_lm,
+                        lambda cluster, progress: cluster.deploy(loaded.model,
+                                                                 stages=opts.stages,
+                                                                 progress=progress))
+        elif loaded.kind != "encoder":
+            raise SpecError(f"model {name} is a {loaded.kind}; jaxdist serve runs causal LMs "
+                            f"and encoders")
+    state = ServerState(opts.served_model_name or name, api_keys=keys)
+    loader = _Loader(opts, plan, loaded, roots, state)
+    config = uvicorn.Config(create_app(state), host=opts.host, port=opts.port,
+                            log_level="warning", access_log=False, lifespan="off")
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # listening: say where, then deploy the model behind it
+                port = self.servers[0].sockets[0].getsockname()[1]
+                print(f"jaxdist: listening on http://{opts.host}:{port}/v1 (model "
+                      f"{state.name}; /health is 503 until it is deployed)", file=sys.stderr,
+                      flush=True)
+                loader.start()
+
+    # uvicorn shuts down on SIGINT/SIGTERM, then raises the signal again for the handler that
+    # was there before it: a no-op here, so the workers are stopped below and the exit is 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    Server(config).run()  # until SIGINT or SIGTERM
+    print("jaxdist: stopping: unloading the model", file=sys.stderr, flush=True)
+    loader.stop.set()
+    if loader.is_alive():
+        loader.join(timeout=120)
+    if loader.error is not None and not isinstance(loader.error, JaxdistError):
+        raise loader.error
+    return 1 if loader.error is not None else 0

@@ -1,0 +1,383 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one :class:`Engine` (or encoder).
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``POST /v1/embeddings`` (an encoder pipeline), ``GET /health`` and ``GET /metrics``. Bodies and
+errors follow OpenAI's (:mod:`jaxdist.serving.protocol`). With API keys, every ``/v1`` route
+needs ``Authorization: Bearer KEY``, compared in constant time; ``/health`` and ``/metrics``
+stay open (a load balancer and Prometheus call them without a key).
+
+Status codes: 400 bad parameters (``param`` names the field), 401 a missing or wrong key, 404
+an unknown model, 503 with ``Retry-After`` while loading, when the engine's queue is full, or
+when the pipeline is broken (the message names the worker).
+
+A client that disconnects aborts its request: its KV slot is free by the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jaxdist.coordinator.engine import EngineClosed, QueueFull
+from jaxdist.coordinator.request import Delta, RequestStream, SamplingParams
+from jaxdist.core.errors import JaxdistError, LimitError, SpecError
+from jaxdist.serving import protocol as api
+from jaxdist.serving.metrics import ServerMetrics
+
+__all__ = ["Served", "ServerState", "create_app"]
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # what a 503 asks the client to wait
+
+
+@dataclasses.dataclass
+class Served:
+    """The model behind the server, once it is deployed.
+
+    Attributes:
+        name: the served model name (``--served-model-name``), the one ``model`` accepted.
+        kind: ``"causal-lm"`` or ``"encoder"``.
+        tokenizer: the model's tokenizer (``encode``, ``decode``, ``apply_chat_template``).
+        engine: the generation engine (a causal LM).
+        max_seq: KV-cache positions per sequence (a causal LM).
+        embed: ``embed(rows of token ids) -> (n, dim)`` vectors (an encoder); blocking.
+        broken: ``broken() -> error | None``: why the pipeline cannot serve (a dead worker and
+            no spare), for ``/health``.
+    """
+
+    name: str
+    kind: str
+    tokenizer: Any
+    engine: Any = None
+    max_seq: int = 0
+    embed: Callable[[list[list[int]]], np.ndarray] | None = None
+    broken: Callable[[], BaseException | None] = lambda: None
+
+
+class ServerState:
+    """What the routes read: the model once loaded, the keys, the metrics. Thread-safe.
+
+    The server answers before the model is deployed (``/health`` is 503 until then), so a
+    load balancer or Kubernetes sees it come up.
+    """
+
+    def __init__(self, name: str, *, api_keys: Sequence[str] = (),
+                 metrics: ServerMetrics | None = None) -> None:
+        self.name = name
+        self.api_keys = tuple(k.encode() for k in api_keys)
+        self.metrics = metrics if metrics is not None else ServerMetrics(name)
+        self._lock = threading.Lock()
+        self._served: Served | None = None
+        self._failure: str | None = None
+        self.ready = threading.Event()
+
+    def serve(self, served: Served) -> None:
+        with self._lock:
+            self._served = served
+        self.ready.set()
+
+    def fail(self, message: str) -> None:
+        """Loading failed: the server answers 503 with ``message`` until it stops."""
+        with self._lock:
+            self._failure = message
+
+    def served(self) -> Served:
+        """The model, or APIError 503 while loading or after a failed load."""
+        with self._lock:
+            served, failure = self._served, self._failure
+        if served is not None:
+            return served
+        if failure is not None:
+            raise api.APIError(f"the model failed to load: {failure}", status=503,
+                               type="server_error", code="model_load_failed")
+        raise api.APIError(f"model {self.name} is still loading (compiling on the workers); "
+                           f"retry shortly", status=503, type="server_error",
+                           code="model_loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _authorized(state: ServerState, request: Request) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    token = given.strip().encode() if scheme.lower() == "bearer" else b""
+    ok = False
+    for key in state.api_keys:  # every key is compared: the time says nothing of which
+        ok |= hmac.compare_digest(token, key)
+    return ok
+
+
+def _error_response(exc: api.APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _engine_error(exc: JaxdistError) -> api.APIError:
+    """The API error for an error of the engine or the pipeline."""
+    if isinstance(exc, QueueFull):
+        return api.APIError(f"the server is busy: {exc}", status=503, type="server_error",
+                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, (SpecError, LimitError)):
+        return api.APIError(str(exc))
+    kind = "engine_closed" if isinstance(exc, EngineClosed) else "pipeline_unavailable"
+    return api.APIError(f"the pipeline cannot serve: {exc}", status=503, type="server_error",
+                        code=kind, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _json_body(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise api.APIError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _check_model(state: ServerState, model: str, kind: str, route: str) -> Served:
+    served = state.served()
+    if model != served.name:
+        raise api.APIError(f"The model `{model}` does not exist; this server serves "
+                           f"`{served.name}`", status=404, param="model",
+                           code="model_not_found")
+    if served.kind != kind:
+        other = "/v1/embeddings" if served.kind == "encoder" else "/v1/completions"
+        raise api.APIError(f"model `{model}` is a {served.kind}, which {route} does not "
+                           f"serve; use {other}", param="model")
+    return served
+
+
+def _prompt_ids(served: Served, prompt: str | tuple[int, ...], param: str) -> list[int]:
+    tok = served.tokenizer
+    if isinstance(prompt, str):
+        if tok is None:
+            raise api.APIError(f"{param}: model `{served.name}` has no tokenizer here; send "
+                               f"token ids", param=param)
+        return list(tok.encode(prompt))
+    vocab = getattr(tok, "vocab_size", None)
+    if vocab is not None:
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise api.APIError(f"{param}: token id {bad} is outside the vocabulary of "
+                               f"{vocab} ids", param=param)
+    return list(prompt)
+
+
+def _params(req: api.CompletionRequest | api.ChatRequest, served: Served, prompt_len: int,
+            default_max_tokens: int | None) -> SamplingParams:
+    room = served.max_seq - prompt_len
+    if room < 1:
+        raise api.APIError(f"the prompt has {prompt_len} tokens; this model's context holds "
+                           f"{served.max_seq} (max_seq), and generating needs one more",
+                           param="messages" if isinstance(req, api.ChatRequest) else "prompt",
+                           code="context_length_exceeded")
+    if req.max_tokens is not None and req.max_tokens > room:
+        raise api.APIError(f"max_tokens: {req.max_tokens} new tokens after a prompt of "
+                           f"{prompt_len} exceed this model's context of {served.max_seq} "
+                           f"(max_seq); ask for at most {room}", param="max_tokens",
+                           code="context_length_exceeded")
+    try:
+        return req.params(max_seq=served.max_seq, prompt_len=prompt_len,
+                          default_max_tokens=default_max_tokens)
+    except SpecError as exc:
+        raise api.APIError(str(exc)) from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client goes away (the ASGI ``http.disconnect`` message)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(stream: RequestStream, request: Request) -> tuple[str, Delta] | None:
+    """All the text of a request, and its last delta; None if the client left first."""
+    async def read() -> tuple[str, Delta]:
+        parts, last = [], None
+        async for delta in stream:
+            parts.append(delta.text)
+            last = delta
+        assert last is not None  # a stream ends with a delta that has a finish reason
+        return "".join(parts), last
+
+    reader = asyncio.ensure_future(read())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if reader not in done:
+        stream.abort()
+        reader.cancel()
+        log.info("request %s: the client disconnected; aborted", stream.request_id)
+        return None
+    return reader.result()
+
+
+def _sse(obj: object) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse_stream(stream: RequestStream, chunks: Callable[[Delta, bool], list[object]],
+                      final: Callable[[Delta], object | None]) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed request; aborts it if the client goes away (Starlette
+    cancels this generator then)."""
+    with stream:  # leaving unfinished (a disconnect) aborts the request
+        first = True
+        try:
+            async for delta in stream:
+                for chunk in chunks(delta, first):
+                    yield _sse(chunk)
+                first = False
+                if delta.finish_reason is not None:
+                    tail = final(delta)
+                    if tail is not None:
+                        yield _sse(tail)
+        except JaxdistError as exc:  # the pipeline failed mid-stream: say so, then end
+            err = _engine_error(exc)
+            yield _sse(err.body())
+        yield b"data: [DONE]\n\n"
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI application over ``state`` (see the module docstring)."""
+    app = FastAPI(title="jaxdist", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def guard(request: Request) -> None:
+        """401 unless the request carries a key (when the server has keys)."""
+        if state.api_keys and not _authorized(state, request):
+            raise api.APIError("Incorrect or missing API key: send Authorization: Bearer KEY",
+                               status=401, code="invalid_api_key")
+
+    @app.exception_handler(api.APIError)
+    async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            served = state.served()
+        except api.APIError as exc:
+            return JSONResponse({"status": exc.code, "message": exc.message}, status_code=503,
+                                headers=exc.headers)
+        broken = served.broken()
+        if broken is not None:
+            return JSONResponse({"status": "broken", "message": str(broken)}, status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        guard(request)
+        return JSONResponse(api.models_response([state.name]))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        guard(request)
+        req = api.parse_completion(await _json_body(request))
+        served = _check_model(state, req.model, "causal-lm", "/v1/completions")
+        ids = _prompt_ids(served, req.prompt, "prompt")
+        params = _params(req, served, len(ids), default_max_tokens=16)  # OpenAI's default
+        return await _generate(request, served, req, ids, params, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        guard(request)
+        req = api.parse_chat(await _json_body(request))
+        served = _check_model(state, req.model, "causal-lm", "/v1/chat/completions")
+        tok = served.tokenizer
+        if tok is None:
+            raise api.APIError(f"model `{served.name}` has no tokenizer here, so no chat "
+                               f"template; use /v1/completions with token ids",
+                               param="messages")
+        try:
+            text = tok.apply_chat_template([dict(m) for m in req.messages],
+                                           add_generation_prompt=True)
+        except SpecError as exc:
+            raise api.APIError(f"messages: {exc}", param="messages") from None
+        ids = list(tok.encode(text, add_special_tokens=False))
+        params = _params(req, served, len(ids), default_max_tokens=None)
+        return await _generate(request, served, req, ids, params, chat=True)
+
+    async def _generate(request: Request, served: Served,
+                        req: api.CompletionRequest | api.ChatRequest, ids: list[int],
+                        params: SamplingParams, *, chat: bool) -> Response:
+        rid = api.new_id("chatcmpl" if chat else "cmpl")
+        created = int(time.time())
+        try:
+            stream = served.engine.submit(ids, params, request_id=rid)
+        except JaxdistError as exc:
+            raise _engine_error(exc) from None
+        if req.stream:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunks(delta: Delta, first: bool) -> list[object]:
+                out: list[object] = []
+                if chat and first:
+                    out.append(api.chat_chunk(rid, served.name, {"role": "assistant",
+                                                                 "content": ""}, None, created,
+                                              with_usage=req.include_usage))
+                if delta.text:
+                    out.append(api.chat_chunk(rid, served.name, {"content": delta.text}, None,
+                                              created, with_usage=req.include_usage) if chat
+                               else api.completion_chunk(rid, served.name, delta.text, None,
+                                                         created, with_usage=req.include_usage))
+                if delta.finish_reason is not None:
+                    out.append(api.chat_chunk(rid, served.name, {}, delta.finish_reason,
+                                              created, with_usage=req.include_usage) if chat
+                               else api.completion_chunk(rid, served.name, "",
+                                                         delta.finish_reason, created,
+                                                         with_usage=req.include_usage))
+                return out
+
+            def final(delta: Delta) -> object | None:
+                if not req.include_usage:
+                    return None
+                return api.usage_chunk(rid, served.name, obj, created, delta.prompt_tokens,
+                                       delta.completion_tokens)
+
+            return StreamingResponse(_sse_stream(stream, chunks, final),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            got = await _collect(stream, request)
+        except JaxdistError as exc:
+            raise _engine_error(exc) from None
+        if got is None:
+            return Response(status_code=499)  # nobody reads it
+        text, last = got
+        assert last.finish_reason is not None
+        build = api.chat_response if chat else api.completion_response
+        return JSONResponse(build(rid, served.name, text, last.finish_reason,
+                                  last.prompt_tokens, last.completion_tokens, created))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> JSONResponse:
+        guard(request)
+        req = api.parse_embedding(await _json_body(request))
+        served = _check_model(state, req.model, "encoder", "/v1/embeddings")
+        assert served.embed is not None
+        rows = [_prompt_ids(served, item, f"input[{i}]") for i, item in enumerate(req.inputs)]
+        try:
+            vectors = await asyncio.to_thread(served.embed, rows)
+        except JaxdistError as exc:
+            raise _engine_error(exc) from None
+        return JSONResponse(api.embedding_response(served.name, vectors,
+                                                   sum(len(r) for r in rows),
+                                                   as_base64=req.base64))
+
+    return app

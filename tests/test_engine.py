@@ -1,0 +1,586 @@
+"""The long-lived engine: callers join and leave one batch, abort, a bounded queue, streamed
+text, failover, async consumers.
+
+Real parts: a tiny Llama (transformers is the reference) in process and on real worker
+processes, and SmolLM2's real tokenizer. Nothing here waits on time: the tests that need an
+order of events block the step loop in an observer hook, or gate the pipeline, until the test
+has done its part (the engine's step counter tells how many steps passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import pathlib
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from models import save_tiny_llama
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.detokenizer import IncrementalDetokenizer, TextStream
+from jaxdist.coordinator.engine import Engine, EngineClosed, QueueFull
+from jaxdist.coordinator.generation import Generator, SamplingParams
+from jaxdist.coordinator.inprocess import InProcessPipeline
+from jaxdist.core.errors import LimitError, RemoteStageError, SpecError
+from jaxdist.exporters.llama import llama_model
+from jaxdist.exporters.tokenizer import Tokenizer, load_tokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.reference
+
+PROMPTS = [[5, 17, 99, 3], [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180, 7], [42], [100, 101, 102],
+           [7, 7, 7, 7, 7, 7], [200, 3, 4]]
+SLOTS, SEQ, BUCKETS = 4, 64, (8,)
+WAIT = 120.0  # seconds: generous, for a loaded machine; a test that hits it has failed
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, Any, Any]:
+    """(weights root, transformers reference, the exported model without shape buckets)."""
+    root = tmp_path_factory.mktemp("engine")
+    hf = save_tiny_llama(root / "llama", layers=3)
+    model = llama_model("llama", roots=[root], max_slots=SLOTS, max_seq=SEQ,
+                        prefill_buckets=BUCKETS)
+    return root, hf, dataclasses.replace(model, buckets=())
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny: tuple[pathlib.Path, Any, Any]) -> InProcessPipeline:
+    root, _, model = tiny
+    with InProcessPipeline(model, weights_roots=[str(root)], stages=2) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def workers(tiny: tuple[pathlib.Path, Any, Any]) -> Any:
+    """A pipeline over two real worker processes (nobody kills these)."""
+    root, _, model = tiny
+    with Cluster.local(2, weights_roots=[str(root)]) as cluster, cluster.deploy(
+            model, stages=2) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def smollm_tok(smollm2: pathlib.Path) -> Tokenizer:
+    tok = load_tokenizer(smollm2)
+    assert isinstance(tok, Tokenizer)
+    return tok
+
+
+def _dtypes(model: Any) -> dict[str, str]:
+    return {k: v[1] for k, v in model.inputs.items()}
+
+
+def _engine(pipeline: Any, model: Any, **kw: Any) -> Engine:
+    return Engine(pipeline, input_dtypes=_dtypes(model), max_slots=SLOTS, max_seq=SEQ,
+                  prefill_buckets=BUCKETS, **kw)
+
+
+def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                          min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def _greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+class Letters:
+    """A stand-in detokenizer: one letter per id."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+class Recorder:
+    """An EngineObserver that records what the loop tells it, with the engine's step count and
+    slots in use at that moment; ``at_token[(rid, n)]`` runs in the loop at rid's n-th token
+    (to block the loop until the test has done something)."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.events: list[tuple[Any, ...]] = []
+        self.at_token: dict[tuple[str, int], Callable[[], None]] = {}
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _add(self, *event: Any) -> None:
+        assert self.engine is not None
+        with self._lock:
+            self.events.append((*event, self.engine.steps, self.engine.slots_in_use))
+
+    def queued(self, request_id: str, prompt_tokens: int) -> None:
+        self._add("queued", request_id, prompt_tokens)
+
+    def scheduled(self, request_id: str, queue_s: float) -> None:
+        self._add("scheduled", request_id)
+
+    def token(self, request_id: str, n_new: int, since_last_s: float, first: bool) -> None:
+        n = self._counts[request_id] = self._counts.get(request_id, 0) + n_new
+        self._add("token", request_id, n, first)
+        hook = self.at_token.get((request_id, n))
+        if hook is not None:
+            hook()
+
+    def finished(self, request_id: str, reason: str, prompt_tokens: int,
+                 completion_tokens: int, e2e_s: float) -> None:
+        self._add("finished", request_id, reason, completion_tokens)
+
+    def step(self, rows: int, tokens_per_row: int, seconds: float) -> None:
+        self._add("step", rows, tokens_per_row)
+
+    def of(self, kind: str, rid: str | None = None) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return [e for e in self.events if e[0] == kind and (rid is None or e[1] == rid)]
+
+    def index(self, kind: str, rid: str) -> int:
+        with self._lock:
+            return next(i for i, e in enumerate(self.events) if e[:2] == (kind, rid))
+
+
+def _observed(pipeline: Any, model: Any, **kw: Any) -> tuple[Engine, Recorder]:
+    rec = Recorder()
+    engine = _engine(pipeline, model, observer=rec, **kw)
+    rec.engine = engine
+    return engine, rec
+
+
+def _block_until(done: threading.Event, reached: threading.Event) -> Callable[[], None]:
+    def hook() -> None:
+        reached.set()
+        if not done.wait(WAIT):
+            raise AssertionError("the test did not release the step loop")
+    return hook
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. continuous batching across callers
+
+
+@pytest.mark.parametrize("where", ["inprocess", "workers"])
+def test_callers_from_threads_get_what_they_get_alone(tiny, request, where):
+    """Three callers in three threads; C joins while A and B decode. Each gets exactly the
+    tokens of the same request alone, of Generator.run alone, and of transformers."""
+    _, hf, model = tiny
+    pipeline = request.getfixturevalue("pipe" if where == "inprocess" else "workers")
+    depth = 1 if where == "inprocess" else 2
+    jobs = {"A": (PROMPTS[0], 14), "B": (PROMPTS[1], 10), "C": (PROMPTS[3], 8)}
+    with _engine(pipeline, model, depth=depth) as alone:
+        solo = {k: alone.submit(p, _greedy(n)).result(WAIT).tokens for k, (p, n) in jobs.items()}
+    gen = Generator(pipeline, input_dtypes=_dtypes(model), max_slots=SLOTS, max_seq=SEQ,
+                    prefill_buckets=BUCKETS, depth=depth)
+    with gen:
+        for k, (p, n) in jobs.items():
+            assert gen.run([p], _greedy(n))[0].tokens == solo[k]
+            assert solo[k] == _hf_greedy(hf, p, n)
+
+    engine, rec = _observed(pipeline, model, depth=depth)
+    a_mid, c_in = threading.Event(), threading.Event()
+    rec.at_token[("A", 3)] = _block_until(c_in, a_mid)  # the loop waits at A's third token
+    got: dict[str, list[int]] = {}
+    start = threading.Barrier(2)
+
+    def caller(key: str) -> None:
+        prompt, n = jobs[key]
+        if key == "C":
+            assert a_mid.wait(WAIT)
+            stream = engine.submit(prompt, _greedy(n), request_id=key)
+            c_in.set()
+        else:
+            start.wait(WAIT)
+            stream = engine.submit(prompt, _greedy(n), request_id=key)
+        got[key] = [t for d in stream for t in d.token_ids]
+
+    with engine, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        for f in [pool.submit(caller, k) for k in jobs]:
+            f.result(WAIT)
+    assert got == solo
+    # C took its slot while A was still decoding (A's slot and C's in use then).
+    assert rec.index("scheduled", "C") < rec.index("finished", "A")
+    assert rec.of("scheduled", "C")[0][-1] >= 2
+    if depth == 1:  # A and C decode together (with depth 2, each step may take one of them)
+        assert any(e[1] >= 2 for e in rec.of("step")), "no step ever batched two requests"
+    assert [e[2] for e in rec.of("finished")] == ["length"] * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. abort
+
+
+def test_abort_mid_generation_frees_the_slot_within_one_step(tiny, pipe):
+    _, _, model = tiny
+    engine, rec = _observed(pipe, model)
+    reached, go = threading.Event(), threading.Event()
+    rec.at_token[("A", 3)] = _block_until(go, reached)
+    with engine:
+        b_alone = engine.submit(PROMPTS[2], _greedy(20)).result(WAIT).tokens
+        a = engine.submit(PROMPTS[0], _greedy(40), request_id="A")
+        b = engine.submit(PROMPTS[2], _greedy(20), request_id="B")
+        assert reached.wait(WAIT)  # the loop is inside step k, at A's third token
+        assert engine.slots_in_use == 2
+        assert a.abort() is True
+        at = engine.steps
+        go.set()
+        deltas = list(a)
+        assert deltas[-1].finish_reason == "abort" and deltas[-1].token_ids == ()
+        assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+        (fin,) = rec.of("finished", "A")
+        steps_then, slots_then = fin[-2], fin[-1]
+        assert steps_then - at <= 1, f"the slot was freed {steps_then - at} steps after abort"
+        assert slots_then == 1  # B still holds its slot
+        res = a.result(WAIT)
+        assert res.finish_reason == "abort" and res.tokens == [t for d in deltas
+                                                               for t in d.token_ids]
+        assert b.result(WAIT).tokens == b_alone  # the other request did not notice
+        assert engine.abort("A") is False and engine.abort("no-such-request") is False
+        assert engine.slots_in_use == 0 and engine.num_running == 0
+
+
+def test_abort_a_waiting_request_and_close_aborts_the_rest(tiny, pipe):
+    _, _, model = tiny
+    gated = _Gated(pipe)
+    engine, rec = _observed(gated, model)
+    running = [engine.submit(PROMPTS[0], _greedy(40), request_id=f"r{i}") for i in range(SLOTS)]
+    waiting = [engine.submit(PROMPTS[1], _greedy(8), request_id=k) for k in ("w", "x")]
+    assert (engine.num_running, engine.num_waiting) == (SLOTS, 2)
+    assert engine.abort("w") is True
+    rec.at_token[("r0", 2)] = engine.close  # closed from inside the loop, mid-generation
+    gated.open.set()
+    assert [d.finish_reason for d in waiting[0]] == ["abort"]
+    assert waiting[0].result(WAIT).tokens == []
+    assert [s.result(WAIT).finish_reason for s in [*running, waiting[1]]] == ["abort"] * 5
+    engine.close()  # joins the loop
+    assert (engine.num_running, engine.num_waiting, engine.slots_in_use) == (0, 0, 0)
+    with pytest.raises(EngineClosed, match="the generation engine is closed"):
+        engine.submit(PROMPTS[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. the queue bound
+
+
+class _Gated:
+    """A pipeline whose steps wait for ``open``: the test decides when the loop moves."""
+
+    def __init__(self, pipeline: Any) -> None:
+        self.pipeline = pipeline
+        self.open = threading.Event()
+
+    def submit(self, inputs: Any, *, session_id: str = "", step: int = 0) -> Any:
+        if not self.open.wait(WAIT):
+            raise AssertionError("the gate was never opened")
+        return self.pipeline.submit(inputs, session_id=session_id, step=step)
+
+    def end_session(self, session_id: str) -> int:
+        return self.pipeline.end_session(session_id)
+
+
+def test_queue_full_then_accepted_after_a_request_finishes(tiny, pipe):
+    _, _, model = tiny
+    gated = _Gated(pipe)
+    with _engine(gated, model, max_queue=2) as engine:
+        first = engine.submit(PROMPTS[2], _greedy(2))
+        others = [engine.submit(p, _greedy(6)) for p in PROMPTS[:SLOTS - 1]]
+        queued = [engine.submit(p, _greedy(6)) for p in PROMPTS[3:5]]
+        assert (engine.slots_in_use, engine.num_running, engine.num_waiting) == (SLOTS, SLOTS, 2)
+        with pytest.raises(QueueFull, match=r"max_queue=2") as err:
+            engine.submit(PROMPTS[5], request_id="late")
+        assert isinstance(err.value, LimitError) and err.value.code == "RESOURCE_EXHAUSTED"
+        assert "'late'" in str(err.value) and f"all {SLOTS} KV slots are busy" in str(err.value)
+        gated.open.set()
+        assert first.result(WAIT).finish_reason == "length"
+        late = engine.submit(PROMPTS[5], _greedy(3), request_id="late")  # a slot or a place
+        assert late.result(WAIT).finish_reason == "length"
+        assert all(s.result(WAIT).finish_reason == "length" for s in others + queued)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. incremental detokenization and stop strings
+
+
+TEXTS = ["héllo wörld 你好 🙂 naïve — ok", "Ünïcödé ∑ 𝄞 ends in a four-byte char 𝄞",
+         "plain ascii, nothing to hold back"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_equals_full_decode(smollm_tok, text):
+    ids = smollm_tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(smollm_tok)
+    parts = [d.push([i]) for i in ids]
+    parts.append(d.flush())
+    assert "".join(parts) == smollm_tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in parts)  # split characters were held, not mangled
+
+
+def _stops_of(text: str) -> list[str]:
+    """Stop strings to try: every character and pair (multi-byte ones too), and a few longer."""
+    found = {text[i:i + n] for n in (1, 2, 5) for i in range(0, len(text) - n + 1, 3)}
+    return sorted(s for s in found if s.strip())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stop_strings_cut_as_a_full_text_search(smollm_tok, text):
+    ids = smollm_tok.encode(text, add_special_tokens=False)
+    full = smollm_tok.decode(ids)
+    for stop in _stops_of(full):
+        t = TextStream(smollm_tok, stop_strings=("never-there", stop))
+        emitted, stopped_at = [], None
+        for k, i in enumerate(ids):
+            out, stopped = t.push([i])
+            emitted.append(out)
+            if stopped and stopped_at is None:
+                stopped_at = k
+        emitted.append(t.finish()[0])
+        want = full[:full.find(stop)]
+        assert "".join(emitted) == t.text == want, stop
+        # It stopped at the token that completed the stop string, not later.
+        assert stopped_at is not None
+        assert stop in smollm_tok.decode(ids[:stopped_at + 1])
+        assert stop not in smollm_tok.decode(ids[:stopped_at])
+
+
+class _Scripted:
+    """A pipeline whose model "generates" a fixed script of ids (one request at a time), to
+    stream known multi-byte text through the engine."""
+
+    def __init__(self, script: list[int], prompt_len: int) -> None:
+        self.script, self.prompt_len = script, prompt_len
+
+    def submit(self, inputs: Any, *, session_id: str = "", step: int = 0) -> Any:
+        pos, length = inputs["pos"], inputs["length"]
+        k = int(pos[0] + length[0]) - self.prompt_len
+        future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()
+        future.set_result({"token": np.full(pos.shape, self.script[min(k, len(self.script) - 1)],
+                                            np.int32)})
+        return future
+
+    def end_session(self, session_id: str) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("text", TEXTS[:2])
+def test_engine_streams_multibyte_text_and_cuts_at_stop_strings(smollm_tok, text):
+    ids = smollm_tok.encode(text, add_special_tokens=False)
+    dtypes = {k: "int32" for k in ("tokens", "slot", "pos", "length")}
+    with Engine(_Scripted(ids, 2), input_dtypes=dtypes, max_slots=1, max_seq=128,
+                prefill_buckets=(8,), tokenizer=smollm_tok) as engine:
+        stream = engine.submit([1, 2], _greedy(len(ids)))
+        deltas = list(stream)
+        assert [t for d in deltas for t in d.token_ids] == ids
+        assert "".join(d.text for d in deltas) == stream.result().text == text
+        assert deltas[-1].finish_reason == "length"
+        assert (deltas[-1].prompt_tokens, deltas[-1].completion_tokens) == (2, len(ids))
+        for stop in ("你好", "🙂", "𝄞", "ö"):
+            if stop not in text:
+                continue
+            stream = engine.submit([1, 2], _greedy(len(ids), stop_strings=(stop,)))
+            deltas = list(stream)
+            res = stream.result()
+            assert "".join(d.text for d in deltas) == res.text == text[:text.find(stop)]
+            assert res.finish_reason == "stop" and deltas[-1].finish_reason == "stop"
+            assert stop not in smollm_tok.decode(res.tokens)
+            assert res.tokens == ids[:len(res.tokens)]
+
+
+def test_real_model_text_equals_full_decode_of_its_tokens(tiny, pipe, smollm_tok):
+    """The tiny Llama's ids are SmolLM2's first 256: special tokens (no text), bytes that are
+    halves of characters (U+FFFD), ASCII. The streamed text is still the full decode."""
+    _, _, model = tiny
+    with _engine(pipe, model, tokenizer=smollm_tok) as engine:
+        for prompt in PROMPTS[:4]:
+            stream = engine.submit(prompt, _greedy(40))
+            deltas = list(stream)
+            tokens = [t for d in deltas for t in d.token_ids]
+            full = smollm_tok.decode(tokens)
+            assert "".join(d.text for d in deltas) == stream.result().text == full
+            stops = [s for s in _stops_of(full) if "\ufffd" not in s and full.find(s) > 0]
+            assert stops, f"no stop string to try in {full!r}"
+            stop = stops[len(stops) // 2]
+            cut = engine.submit(prompt, _greedy(40, stop_strings=(stop,)))
+            res = cut.result(WAIT)
+            assert res.text == full[:full.find(stop)] == "".join(d.text for d in cut)
+            assert res.finish_reason == "stop" and res.tokens == tokens[:len(res.tokens)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. failover
+
+
+def test_failover_in_a_long_lived_engine_keeps_the_output(tiny):
+    """Requests before, during and after a worker's death on one engine: the dead worker's
+    stages move to the spare, the running requests are recomputed, and every request comes out
+    as without a fault, each token streamed once."""
+    root, hf, model = tiny
+    lengths = [20, 16, 24, 12]
+    with Cluster.local(2, weights_roots=[str(root)], spares=1) as cluster:
+        pipeline = cluster.deploy(model, stages=2)
+        engine, rec = _observed(pipeline, model, depth=2)
+        with engine:
+            clean = [s.result(WAIT).tokens for s in
+                     [engine.submit(p, _greedy(n)) for p, n in zip(PROMPTS, lengths)]]
+            victim = cluster.local_workers[1]
+            killed = threading.Event()
+
+            def kill() -> None:
+                victim.process.send_signal(signal.SIGKILL)
+                killed.set()
+
+            rec.at_token[("r1", 6)] = kill  # mid-decode, all four requests running
+            streams = [engine.submit(p, _greedy(n), request_id=f"r{i}")
+                       for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+            results = [s.result(WAIT) for s in streams]
+            assert killed.is_set() and victim.process.wait(timeout=30) == -signal.SIGKILL
+            assert [r.tokens for r in results] == clean
+            for s, r in zip(streams, results):  # every token streamed exactly once, in order
+                assert [t for d in s for t in d.token_ids] == r.tokens
+            assert [f.failed for f in pipeline.failovers] == [victim.address]
+            assert engine.recomputed == len(PROMPTS[:4])
+            # The same engine goes on serving.
+            assert engine.submit(PROMPTS[0], _greedy(20)).result(WAIT).tokens == clean[0]
+        pipeline.close()
+    for prompt, n, tokens in zip(PROMPTS, lengths, clean):
+        assert tokens == _hf_greedy(hf, prompt, n)
+
+
+def test_dead_worker_without_spare_fails_every_running_stream(tiny):
+    root, _, model = tiny
+    with Cluster.local(2, weights_roots=[str(root)]) as cluster:
+        pipeline = cluster.deploy(model, stages=2)
+        engine, rec = _observed(pipeline, model)
+        victim = cluster.local_workers[0]
+        rec.at_token[("a", 4)] = lambda: victim.process.send_signal(signal.SIGKILL)
+        with engine:
+            a = engine.submit(PROMPTS[0], _greedy(30), request_id="a")
+            b = engine.submit(PROMPTS[3], _greedy(30), request_id="b")
+            with pytest.raises(RemoteStageError, match=victim.address) as err_a:
+                list(a)  # the sync consumer gets the pipeline's error
+            with pytest.raises(RemoteStageError, match=victim.address) as err_b:
+                b.result(WAIT)
+            assert err_a.value is err_b.value and err_a.value.stage == 0
+            assert any("no spare" in n for n in getattr(err_a.value, "__notes__", []))
+            assert engine.slots_in_use == 0
+            assert [e[2] for e in rec.of("finished")] == ["error", "error"]
+        pipeline.close(unload=False)
+
+
+class _FailsOnce:
+    """A pipeline whose ``n``-th step fails on a stage, as a step with bad input would."""
+
+    def __init__(self, pipeline: Any, n: int) -> None:
+        self.pipeline, self.n, self.sent = pipeline, n, 0
+
+    def submit(self, inputs: Any, *, session_id: str = "", step: int = 0) -> Any:
+        self.sent += 1
+        if self.sent == self.n:
+            future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()
+            future.set_exception(RemoteStageError("tensor 'x' is NaN", stage=1,
+                                                  address="10.0.0.2:50051",
+                                                  remote_type="SpecError"))
+            return future
+        return self.pipeline.submit(inputs, session_id=session_id, step=step)
+
+    def end_session(self, session_id: str) -> int:
+        return self.pipeline.end_session(session_id)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny, pipe):
+    """A stage error is not a dead worker: the running requests get it as it was raised, the
+    session is ended, and later requests run on a new one."""
+    _, hf, model = tiny
+    with _engine(_FailsOnce(pipe, 4), model) as engine:
+        a, b = engine.submit(PROMPTS[0], _greedy(10)), engine.submit(PROMPTS[3], _greedy(10))
+        with pytest.raises(RemoteStageError, match="stage 1 on worker 10.0.0.2:50051: "
+                                                   "SpecError: tensor 'x' is NaN"):
+            list(a)
+        with pytest.raises(RemoteStageError, match="tensor 'x' is NaN"):
+            b.result(WAIT)
+        assert engine.slots_in_use == 0 and len(pipe.sessions) == 0
+        assert engine.submit(PROMPTS[0], _greedy(6)).result(WAIT).tokens == _hf_greedy(
+            hf, PROMPTS[0], 6)
+
+
+def test_an_idle_engine_has_ended_its_session(tiny, pipe):
+    """Once a caller has its last result, the workers hold no state of the engine."""
+    _, _, model = tiny
+    gen = Generator(pipe, input_dtypes=_dtypes(model), max_slots=SLOTS, max_seq=SEQ,
+                    prefill_buckets=BUCKETS)
+    with gen, _engine(pipe, model) as engine:
+        engine.submit(PROMPTS[0], _greedy(3)).result(WAIT)
+        assert len(pipe.sessions) == 0
+        gen.run(PROMPTS[:3], _greedy(4))
+        assert len(pipe.sessions) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. async consumers
+
+
+def _content(deltas: list[Any]) -> list[tuple[Any, ...]]:
+    return [(d.token_ids, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens)
+            for d in deltas]
+
+
+def test_async_consumers_get_the_same_deltas(tiny, pipe):
+    _, _, model = tiny
+    params = [_greedy(12), _greedy(7, stop_strings=("q",)), _greedy(9)]
+    with _engine(pipe, model, tokenizer=Letters()) as engine:
+        sync = [_content(list(engine.submit(p, sp))) for p, sp in zip(PROMPTS, params)]
+
+        async def consume(prompt: list[int], sp: SamplingParams) -> list[tuple[Any, ...]]:
+            return _content([d async for d in engine.submit(prompt, sp)])
+
+        async def main() -> list[list[tuple[Any, ...]]]:
+            return list(await asyncio.gather(*(consume(p, sp) for p, sp in zip(PROMPTS, params))))
+
+        assert asyncio.run(main()) == sync
+    assert all(s[-1][2] in ("length", "stop") for s in sync)
+
+
+# ---------------------------------------------------------------------------------------------
+# the observer, errors
+
+
+class _Broken:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        def hook(*args: Any) -> None:
+            raise RuntimeError(f"observer {name} broke")
+        return hook
+
+
+def test_a_failing_observer_is_logged_and_changes_nothing(tiny, pipe, caplog):
+    _, hf, model = tiny
+    with caplog.at_level(logging.ERROR, logger="jaxdist.coordinator.engine"), _engine(
+            pipe, model, observer=_Broken()) as engine:
+        assert engine.submit(PROMPTS[0], _greedy(5)).result(WAIT).tokens == _hf_greedy(
+            hf, PROMPTS[0], 5)
+    assert "the observer failed" in caplog.text and "observer step broke" in caplog.text
+
+
+def test_error_prompts_name_the_request_and_the_limit(tiny, pipe):
+    _, _, model = tiny
+    gated = _Gated(pipe)  # closed: "dup" keeps running until the end of the test
+    with _engine(gated, model) as engine:
+        with pytest.raises(SpecError, match=r"the prompt of request 'r7' is empty"):
+            engine.submit([], request_id="r7")
+        with pytest.raises(SpecError, match=r"request 'r8' has 64 tokens; the KV cache holds "
+                                            r"64 positions \(max_seq\)"):
+            engine.submit([1] * SEQ, request_id="r8")
+        with pytest.raises(SpecError, match=r"request 'r9' has stop_strings .* no tokenizer"):
+            engine.submit([1], SamplingParams(stop_strings=("x",)), request_id="r9")
+        engine.submit([1], _greedy(3), request_id="dup")
+        with pytest.raises(SpecError, match="request id 'dup' is already running"):
+            engine.submit([1], _greedy(3), request_id="dup")
+        gated.open.set()
+    with pytest.raises(SpecError, match="max_queue must be >= 0, got -1"):
+        _engine(pipe, model, max_queue=-1)

