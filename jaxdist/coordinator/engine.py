@@ -81,7 +81,7 @@ class QueueFull(LimitError):
     Example:
         >>> try:                                                 # doctest: +SKIP
         ...     stream = engine.submit(ids, params)
-        ... except QueueFull as exc:  # RESOURCE_EXHAUSTED: an HTTP server answers 429
+        ... except QueueFull as exc:  # RESOURCE_EXHAUSTED: jaxdist serve answers 503
         ...     print(exc)
     """
 
@@ -207,6 +207,7 @@ class Engine:
         self._step_ids: Iterator[int] = itertools.count()
         self._failovers = 0
         self._recomputed = 0
+        self._last_was_prefill = False  # the step loop's: prefill and decode alternate
         # Deltas and errors of this round, handed over at its end (after an idle engine
         # ended its session, so a caller that saw its last request end finds it ended).
         self._outbox: list[tuple[RequestStream, Delta | BaseException,
@@ -436,17 +437,25 @@ class Engine:
 
     def _next_rows(self, ready: list[_Request], n_active: int
                    ) -> tuple[list[tuple[_Request, list[int]]], int]:
-        """The rows of the next step among ``ready`` requests, and its tokens per row."""
+        """The rows of the next step among ``ready`` requests, and its tokens per row.
+
+        Prefill and decode steps alternate while both have work: a burst of new prompts does
+        not hold every running stream for a prefill each (their inter-token latency stays
+        about two steps), and a new prompt still starts within a step or two.
+        """
         prefilling = [r for r in ready if r.pending]
-        if prefilling:
+        decoding = [r for r in ready if not r.pending]
+        if prefilling and not (decoding and self._last_was_prefill):
+            self._last_was_prefill = True
             # One request per prefill step, at the smallest bucket holding its next chunk:
             # every such shape is compiled ahead of time (see jaxdist.export.buckets).
             r = prefilling[0]
             chunk = min(len(r.pending), self.buckets[-1])
             s = next(b for b in self.buckets if b >= chunk)
             return [(r, r.pending[:s])], s
+        self._last_was_prefill = False
         share = -(-n_active // self.depth)  # split the batch evenly over the steps in flight
-        return [(r, [r.tokens[-1]]) for r in ready[:share]], 1
+        return [(r, [r.tokens[-1]]) for r in decoding[:share]], 1
 
     def _send(self, active: list[_Request]) -> None:
         """Keep up to ``depth`` steps in flight, on disjoint rows, so every stage of the
