@@ -8,7 +8,8 @@ may be shared), the plots, and how to reproduce. Hand-written analysis lives in 
 which this script never touches.
 
 Order: limits, transport, decode, llamacpp (only with ``--with-llamacpp``; right after decode,
-whose records it compares against), scaling, memory, deploy, soak (only with ``--with-soak``:
+whose records it compares against), scaling, memory, deploy, serve (llama-server too when
+bench/serve.py finds it built), soak (only with ``--with-soak``:
 a stability run, 4 minutes here). A benchmark that fails or times out is reported as such in
 RESULTS.md and the others still run.
 
@@ -40,7 +41,8 @@ import _common as c
 import report
 
 OUT = HERE / "out"
-BENCHES = ("limits", "transport", "decode", "llamacpp", "scaling", "memory", "deploy", "soak")
+BENCHES = ("limits", "transport", "decode", "llamacpp", "scaling", "memory", "deploy", "serve",
+           "soak")
 OPT_IN = {"llamacpp": "with_llamacpp", "soak": "with_soak"}   # benchmark -> option that runs it
 SOAK_MINUTES = "4"   # bench/soak.py defaults to 10 minutes; here it keeps to the 5-minute budget
 TIMEOUT_S = 600          # a benchmark is meant to take under 300 s; this only stops a hang
