@@ -217,3 +217,14 @@ def test_generate_reads_the_prompt_from_stdin():
     assert piped.returncode == given.returncode == 0, piped.stderr + given.stderr
     p, g = json.loads(piped.stdout), json.loads(given.stdout)
     assert p["prompt_ids"] == g["prompt_ids"] and p["tokens"] == g["tokens"]
+
+
+def test_serve_exits_when_the_model_cannot_be_deployed():
+    pytest.importorskip("fastapi")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    proc = _jaxdist("serve", "--workers", f"127.0.0.1:{port}", "--port", "0",
+                    "--max-seq", "64", "--buckets", "16")
+    _assert_one_line_error(proc, f"worker 127.0.0.1:{port} is not reachable")
+    assert "listening on http://" in proc.stderr  # it came up, then gave up

@@ -285,6 +285,16 @@ def test_metrics_move_as_requests_run(server: Server) -> None:
         == _value(before, "jaxdist:request_success_total", finished_reason="length") + 1
     assert _value(after, "jaxdist:worker_up") == 2  # both stages' workers answer
     assert _value(after, "jaxdist:pipeline_failovers_total") == 0
+    for stage in ("0", "1"):  # each stage's worker ran the request's 5 steps (prefill + 4)
+        assert _value(after, "jaxdist:stage_frames_total", stage=stage) \
+            - _value(before, "jaxdist:stage_frames_total", stage=stage) == 5
+        assert _value(after, "jaxdist:stage_compute_seconds_total", stage=stage) \
+            > _value(before, "jaxdist:stage_compute_seconds_total", stage=stage)
+        assert _value(after, "jaxdist:stage_frames_in_flight", stage=stage) == 0
+    assert _value(after, "jaxdist:stage_output_bytes_total", stage="1") \
+        > _value(before, "jaxdist:stage_output_bytes_total", stage="1")
+    assert 0 < _value(after, "jaxdist:pipeline_hop_seconds_mean") < 1
+    assert _value(after, "jaxdist:worker_heartbeat_age_seconds") >= 0
 
 
 # -- embeddings ---------------------------------------------------------------------------------

@@ -203,6 +203,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              dequantized_types=rt.stage.dequantized_types,
                              frames=rt.frames_done, compute_seconds=rt.compute_s,
                              bytes_in=rt.bytes_in, bytes_out=rt.bytes_out,
+                             in_flight=rt.in_flight,
                              threaded_shapes=["x".join(str(s) for s in shapes)
                                               for shapes in rt.threaded_shapes])
         return reply

@@ -2,7 +2,8 @@
 
 The HTTP server comes up first and answers ``/health`` with 503 while the model is deployed
 (the workers compile for tens of seconds); it prints ``jaxdist: ready`` on stderr and answers
-200 once the model serves. SIGINT or SIGTERM stops it: requests in flight end, the stages are
+200 once the model serves. If the deploy fails (a worker that does not answer, say), it prints
+the error and exits 1. SIGINT or SIGTERM stops it: requests in flight end, the stages are
 unloaded and local workers stopped.
 
 Needs the ``serve`` extra (``pip install 'jaxdist[serve]'``: FastAPI, uvicorn,
@@ -80,6 +81,7 @@ class _Loader(threading.Thread):
         super().__init__(name="jaxdist-serve-loader", daemon=True)
         self.opts, self.plan, self.loaded, self.roots, self.state = opts, plan, loaded, roots, state
         self.stop = threading.Event()
+        self.failed = threading.Event()  # the model could not be deployed: the server stops
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -112,7 +114,8 @@ class _Loader(threading.Thread):
 
                 self.state.metrics.registry.register(PipelineCollector(
                     self.state.name, lambda: pipe, info,
-                    recomputed=lambda: engine.recomputed if engine is not None else 0))
+                    recomputed=lambda: engine.recomputed if engine is not None else 0,
+                    round_trips=self.state.metrics.round_trips))
                 self.state.serve(served)
                 print(f"jaxdist: ready: {self.state.name} on {len(pipe.clients)} workers",
                       file=sys.stderr, flush=True)
@@ -124,6 +127,7 @@ class _Loader(threading.Thread):
             self.error = exc
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self.state.fail(first)
+            self.failed.set()
             print(f"jaxdist: error: {first}", file=sys.stderr, flush=True)
 
 
@@ -180,8 +184,16 @@ def run_serve(opts: argparse.Namespace) -> int:
     # was there before it: a no-op here, so the workers are stopped below and the exit is 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    Server(config).run()  # until SIGINT or SIGTERM
-    print("jaxdist: stopping: unloading the model", file=sys.stderr, flush=True)
+    server = Server(config)
+
+    def stop_on_failure() -> None:  # a server that can never serve exits (status 1)
+        if loader.failed.wait() and not loader.stop.is_set():
+            server.should_exit = True
+
+    threading.Thread(target=stop_on_failure, daemon=True).start()
+    server.run()  # until SIGINT or SIGTERM, or a failed deploy
+    if not loader.failed.is_set():
+        print("jaxdist: stopping: unloading the model", file=sys.stderr, flush=True)
     loader.stop.set()
     if loader.is_alive():
         loader.join(timeout=120)

@@ -174,6 +174,12 @@ class StageRuntime:
         self._inflight_lock = threading.Condition()
 
     @property
+    def in_flight(self) -> int:
+        """Frames taken in by :meth:`process` and not yet sent on (or failed): queue depth."""
+        with self._inflight_lock:
+            return self._inflight
+
+    @property
     def threaded_shapes(self) -> list[Shapes]:
         """Input shapes whose steps run in a thread (they took over :data:`INLINE_MAX_S`)."""
         return sorted(self._long)

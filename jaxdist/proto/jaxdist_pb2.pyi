@@ -256,7 +256,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, platform: _Optional[str] = ..., index: _Optional[int] = ..., kind: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_free: _Optional[int] = ...) -> None: ...
 
 class LoadedStage(_message.Message):
-    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types", "threaded_shapes", "frames", "compute_seconds", "bytes_in", "bytes_out")
+    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types", "threaded_shapes", "frames", "compute_seconds", "bytes_in", "bytes_out", "in_flight")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class LoadedStage(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     pipeline_id: str
     stage_index: int
@@ -287,7 +288,8 @@ class LoadedStage(_message.Message):
     compute_seconds: float
     bytes_in: int
     bytes_out: int
-    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ..., threaded_shapes: _Optional[_Iterable[str]] = ..., frames: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+    in_flight: int
+    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ..., threaded_shapes: _Optional[_Iterable[str]] = ..., frames: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class KernelInfo(_message.Message):
     __slots__ = ("version", "types", "targets", "threads", "unavailable_reason")

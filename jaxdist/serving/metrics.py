@@ -86,6 +86,8 @@ class ServerMetrics:
                                    "its result, by kind.", [*labels, "kind"],
                                    buckets=ITL_BUCKETS, registry=r)
         self._model = model_name
+        self._steps = 0
+        self._step_seconds = 0.0
 
     def watch_engine(self, engine: Any) -> None:
         """Read the gauges from ``engine`` (an :class:`~jaxdist.coordinator.engine.Engine`)
@@ -119,6 +121,12 @@ class ServerMetrics:
     def step(self, rows: int, tokens_per_row: int, seconds: float) -> None:
         self.step_time.labels(self._model, "decode" if tokens_per_row == 1 else "prefill"
                               ).observe(seconds)
+        self._steps += 1
+        self._step_seconds += seconds
+
+    def round_trips(self) -> tuple[int, float]:
+        """The engine's steps so far and the sum of their round trips, in seconds."""
+        return self._steps, self._step_seconds
 
 
 class PipelineCollector(Collector):
@@ -133,15 +141,19 @@ class PipelineCollector(Collector):
             asked once per worker per scrape, with a short deadline.
         recomputed: ``recomputed() -> int``: requests the engine prefilled again on a spare
             after a failover (:attr:`~jaxdist.coordinator.engine.Engine.recomputed`).
+        round_trips: ``round_trips() -> (steps, seconds)``: the engine's steps so far and the
+            sum of their round trips (:meth:`ServerMetrics.round_trips`).
     """
 
     def __init__(self, model_name: str, pipeline: Callable[[], Any],
                  info: Callable[[str], Any] | None = None,
-                 recomputed: Callable[[], int] = lambda: 0) -> None:
+                 recomputed: Callable[[], int] = lambda: 0,
+                 round_trips: Callable[[], tuple[int, float]] = lambda: (0, 0.0)) -> None:
         self._model = model_name
         self._pipeline = pipeline
         self._info = info
         self._recomputed = recomputed
+        self._round_trips = round_trips
 
     def describe(self) -> list[Any]:
         return []  # collected on demand (the names depend on nothing but are read live)
@@ -167,6 +179,14 @@ class PipelineCollector(Collector):
         hop_bytes = CounterMetricFamily("jaxdist:stage_output_bytes", "Tensor bytes a stage "
                                         "sent on: the hop to the next stage (the last: to the "
                                         "coordinator).", labels=where)
+        depth = GaugeMetricFamily("jaxdist:stage_frames_in_flight", "Frames a stage has taken "
+                                  "in and not yet sent on (its queue depth).", labels=where)
+        hop = GaugeMetricFamily("jaxdist:pipeline_hop_seconds_mean", "Mean seconds per hop of "
+                                "a step outside the stages' compute (transport, encoding, "
+                                "queueing): the engine's step round trip less the stages' mean "
+                                "compute, over the stages + 1 hops, since the server started.",
+                                labels=labels)
+        compute_means: list[float] = []
         if pipe is not None:
             failovers.add_metric([self._model], float(len(getattr(pipe, "failovers", ()))))
             replayed.add_metric([self._model], float(self._recomputed()))
@@ -184,7 +204,15 @@ class PipelineCollector(Collector):
                             frames.add_metric(lab, float(st.frames))
                             compute.add_metric(lab, st.compute_seconds)
                             hop_bytes.add_metric(lab, float(st.bytes_out))
-        yield from (failovers, replayed, up, age, frames, compute, hop_bytes)
+                            depth.add_metric(lab, float(st.in_flight))
+                            if st.frames:
+                                compute_means.append(st.compute_seconds / st.frames)
+            steps, seconds = self._round_trips()
+            n = len(getattr(pipe, "clients", ()))
+            if steps and n and len(compute_means) == n:
+                hop.add_metric([self._model],
+                               max(0.0, seconds / steps - sum(compute_means)) / (n + 1))
+        yield from (failovers, replayed, up, age, frames, compute, hop_bytes, depth, hop)
 
     def _worker_info(self, address: str) -> Any:
         if self._info is None:
