@@ -99,8 +99,12 @@ def _spin(p, st, c):
 
 def test_a_long_step_does_not_hold_up_another_pipeline(cluster: Cluster,
                                                       mlp_root: pathlib.Path) -> None:
-    """While one pipeline's steps run for about 2 s each, a second pipeline on the same
-    worker is served, and the heartbeats keep both pipelines alive."""
+    """While one pipeline's steps run for seconds each, a second pipeline on the same worker
+    is served between them, and the heartbeats keep both pipelines alive.
+
+    The slow step's length is measured here first (it depends on the machine and its load)
+    and scaled to about 3 s; then no fast call may take as long as one slow step, which it
+    would if it waited for one."""
     slow_model = Model("spin", [Unit("spin", _spin)],
                        inputs={"x": ("b, 256", "float32"), "n": ("1", "int32")},
                        buckets=[{"b": 1}])
@@ -109,16 +113,25 @@ def test_a_long_step_does_not_hold_up_another_pipeline(cluster: Cluster,
     fast = cluster.deploy(mlp(), stages=1, platforms=("cpu",), workers=worker)
     with slow, fast:
         x = np.zeros((1, 256), np.float32)
-        n = np.array([20_000_000], np.int32)  # about 2 s a step here
-        t0 = time.monotonic()
-        steps = [slow.submit({"x": x, "n": n}) for _ in range(3)]
         y = np.random.default_rng(2).standard_normal((4, D)).astype(np.float32)
+        fast.call({"x": y}, timeout=60)  # warm
+        probe = 2_000_000
+        t0 = time.monotonic()
+        slow.call({"x": x, "n": np.array([probe], np.int32)}, timeout=120)
+        per_iter = (time.monotonic() - t0) / probe
+        step_s = 3.0
+        n = np.array([min(2**31 - 1, int(step_s / per_iter))], np.int32)
+        steps = [slow.submit({"x": x, "n": n}) for _ in range(3)]
+        latencies = []
         for _ in range(5):  # served while the slow steps are queued and running
+            t1 = time.monotonic()
             np.testing.assert_allclose(fast.call({"x": y}, timeout=30)["x"],
                                        mlp_reference(mlp_root, y), rtol=1e-5, atol=1e-5)
-        fast_s = time.monotonic() - t0
-        # The fast calls did not wait for the slow steps (about 6 s in all).
-        assert not steps[-1].done(), (f"5 fast calls took {fast_s:.2f}s; slow steps done: "
+            latencies.append(time.monotonic() - t1)
+        # No fast call waited for a slow step, and the slow steps were still going.
+        assert max(latencies) < step_s, (f"fast calls took {latencies} s; a slow step is "
+                                         f"about {step_s} s ({n[0]} iterations)")
+        assert not steps[-1].done(), (f"fast calls took {latencies} s; slow steps done: "
                                       f"{[f.done() for f in steps]}")
         for f in steps:
             assert f.result(timeout=120)["x"].shape == (1, 256)
