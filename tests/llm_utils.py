@@ -8,6 +8,7 @@ then one token per row per step. ``pipe`` is anything with ``session()`` (an
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,3 +57,22 @@ def generate(pipe: Any, prompts: Sequence[Sequence[int]], n_new: int, *,
             pos = [p + len(r) for p, r in zip(pos, rows)]
             rows = [[toks[-1]] for toks in out_tokens]
     return out_tokens, logits
+
+
+class GatedPipeline:
+    """A pipeline whose steps wait for ``open`` (set it to let them through): a test decides
+    when an engine's step loop moves, so a request holds its KV slot as long as the test needs
+    (no timing)."""
+
+    def __init__(self, pipeline: Any, wait: float = 120.0) -> None:
+        self.pipeline = pipeline
+        self.open = threading.Event()
+        self.wait = wait
+
+    def submit(self, inputs: Any, *, session_id: str = "", step: int = 0) -> Any:
+        if not self.open.wait(self.wait):
+            raise AssertionError("the gate was never opened")
+        return self.pipeline.submit(inputs, session_id=session_id, step=step)
+
+    def end_session(self, session_id: str) -> int:
+        return self.pipeline.end_session(session_id)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from llm_utils import GatedPipeline
 from models import save_tiny_llama
 
 from jaxdist.coordinator.cluster import Cluster
@@ -249,7 +250,7 @@ def test_abort_mid_generation_frees_the_slot_within_one_step(tiny, pipe):
 
 def test_abort_a_waiting_request_and_close_aborts_the_rest(tiny, pipe):
     _, _, model = tiny
-    gated = _Gated(pipe)
+    gated = GatedPipeline(pipe, WAIT)
     engine, rec = _observed(gated, model)
     running = [engine.submit(PROMPTS[0], _greedy(40), request_id=f"r{i}") for i in range(SLOTS)]
     waiting = [engine.submit(PROMPTS[1], _greedy(8), request_id=k) for k in ("w", "x")]
@@ -270,25 +271,9 @@ def test_abort_a_waiting_request_and_close_aborts_the_rest(tiny, pipe):
 # 3. the queue bound
 
 
-class _Gated:
-    """A pipeline whose steps wait for ``open``: the test decides when the loop moves."""
-
-    def __init__(self, pipeline: Any) -> None:
-        self.pipeline = pipeline
-        self.open = threading.Event()
-
-    def submit(self, inputs: Any, *, session_id: str = "", step: int = 0) -> Any:
-        if not self.open.wait(WAIT):
-            raise AssertionError("the gate was never opened")
-        return self.pipeline.submit(inputs, session_id=session_id, step=step)
-
-    def end_session(self, session_id: str) -> int:
-        return self.pipeline.end_session(session_id)
-
-
 def test_queue_full_then_accepted_after_a_request_finishes(tiny, pipe):
     _, _, model = tiny
-    gated = _Gated(pipe)
+    gated = GatedPipeline(pipe, WAIT)
     with _engine(gated, model, max_queue=2) as engine:
         first = engine.submit(PROMPTS[2], _greedy(2))
         others = [engine.submit(p, _greedy(6)) for p in PROMPTS[:SLOTS - 1]]
@@ -569,7 +554,7 @@ def test_a_failing_observer_is_logged_and_changes_nothing(tiny, pipe, caplog):
 
 def test_error_prompts_name_the_request_and_the_limit(tiny, pipe):
     _, _, model = tiny
-    gated = _Gated(pipe)  # closed: "dup" keeps running until the end of the test
+    gated = GatedPipeline(pipe, WAIT)  # closed: "dup" keeps running until the end of the test
     with _engine(gated, model) as engine:
         with pytest.raises(SpecError, match=r"the prompt of request 'r7' is empty"):
             engine.submit([], request_id="r7")

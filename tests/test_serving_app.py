@@ -10,7 +10,6 @@ slot for as long as the test needs (no timing).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
+from llm_utils import GatedPipeline  # noqa: E402
 
 from jaxdist.coordinator.engine import Engine  # noqa: E402
 from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
@@ -39,28 +39,12 @@ INPUTS = {"tokens": ("b, s", "int32"), "slot": ("b", "int32"), "pos": ("b", "int
           "top_p": ("b", "float32"), "seed": ("b", "uint32")}
 
 
-class _Gated:
-    """The pipeline, with steps that wait for ``open``."""
-
-    def __init__(self, pipeline: Any) -> None:
-        self.pipeline = pipeline
-        self.open = threading.Event()
-
-    def submit(self, inputs: Any, *, session_id: str = "", step: int = 0) -> Any:
-        if not self.open.wait(WAIT):
-            raise AssertionError("the gate was never opened")
-        return self.pipeline.submit(inputs, session_id=session_id, step=step)
-
-    def end_session(self, session_id: str) -> int:
-        return self.pipeline.end_session(session_id)
-
-
 @pytest.fixture
-def app(tmp_path: Any) -> Iterator[tuple[TestClient, _Gated, Engine, ServerState]]:
+def app(tmp_path: Any) -> Iterator[tuple[TestClient, GatedPipeline, Engine, ServerState]]:
     model = Model("counter", [Unit("next", _next_token)], inputs=INPUTS,
                   control=("slot", "pos", "length", "temperature", "top_k", "top_p", "seed"))
     with InProcessPipeline(model, weights_roots=[str(tmp_path)]) as pipe:
-        gated = _Gated(pipe)
+        gated = GatedPipeline(pipe, WAIT)
         with Engine(gated, input_dtypes={k: v[1] for k, v in INPUTS.items()}, max_slots=1,
                     max_seq=64, prefill_buckets=[4, 8], max_queue=0) as engine:
             state = ServerState("counter")
