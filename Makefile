@@ -24,10 +24,10 @@ $(VENV)/.test: $(VENV)/.core
 
 setup: $(VENV)/.core
 
-PROMPT ?= The capital of France is
+PROMPT ?= Name three primary colors.
 
 demo: $(VENV)/.core
-	$(VENV)/bin/jaxdist generate --local 2 --prompt "$(PROMPT)" --max-tokens 32
+	$(VENV)/bin/jaxdist generate --local 2 --chat --prompt "$(PROMPT)" --max-tokens 48
 
 demo-mlp: $(VENV)/.core
 	$(VENV)/bin/jaxdist demo

@@ -47,7 +47,7 @@ run started (``loadavg_1m_at_start``), and the range seen during its timed runs
 
 Usage::
 
-    python bench/decode.py [--quick] [--out results.json]
+    python bench/decode.py [--quick] [--route tcp|grpc] [--out results.json]
 
 Prints one JSON object per metric on stdout (``metric``, ``value``, ``unit``, ``baseline``,
 ``baseline_value``, ``ratio``, ``target``, ``meets_target`` plus detail keys). On 2 cores the
@@ -194,11 +194,14 @@ def _build_single(loaded: Any, root: str) -> Config:
     return cfg
 
 
-def _build_workers(loaded: Any, root: str, n: int) -> Config:
+ROUTE_WORKER_ARGS = {"tcp": [], "grpc": ["--data-listen", "off"]}  # how each route is chosen
+
+
+def _build_workers(loaded: Any, root: str, n: int, route: str = "tcp") -> Config:
     from jaxdist.coordinator.cluster import Cluster
 
     t0 = time.perf_counter()
-    cluster = Cluster.local(n, weights_roots=[root])
+    cluster = Cluster.local(n, weights_roots=[root], extra_args=ROUTE_WORKER_ARGS[route])
     try:
         idle = {c.address: int(i.rss_bytes) for c, i in zip(cluster.clients, cluster.info())}
         pipe = cluster.deploy(loaded.model, stages=n, platforms=("cpu",))
@@ -224,7 +227,8 @@ def _build_f32(root: str) -> Config:
     return cfg
 
 
-def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack) -> list[Config]:
+def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack, route: str = "tcp"
+                  ) -> list[Config]:
     """The in-process pipeline and one local cluster per worker count, each deployed.
 
     Compiling dominates the setup, so the configurations are built in parallel threads (XLA
@@ -234,13 +238,13 @@ def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack) -> list[C
     def chain() -> list[Config]:
         single = _build_single(loaded, root)
         try:
-            return [single, _build_workers(loaded, root, 1), _build_f32(root)]
+            return [single, _build_workers(loaded, root, 1, route), _build_f32(root)]
         except BaseException:
             single.pipe.close()
             raise
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-        futures = [pool.submit(chain)] + [pool.submit(_build_workers, loaded, root, n)
+        futures = [pool.submit(chain)] + [pool.submit(_build_workers, loaded, root, n, route)
                                           for n in WORKER_COUNTS if n != 1]
     configs: list[Config] = []
     error: Exception | None = None
@@ -462,7 +466,7 @@ def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]]
     return out
 
 
-def run(quick: bool) -> list[dict[str, Any]]:
+def run(quick: bool, route: str = "tcp") -> list[dict[str, Any]]:
     import jax
 
     from jaxdist.core import config
@@ -487,10 +491,11 @@ def run(quick: bool) -> list[dict[str, Any]]:
                      "dtype": "float32", "max_seq": MAX_SEQ,
                      "max_slots": MAX_SLOTS, "prefill_buckets": list(PREFILL_BUCKETS),
                      "prompt": PROMPT, "prompt_tokens": len(ids),
-                     "model_weight_bytes": int(loaded.model.weight_bytes)}
+                     "model_weight_bytes": int(loaded.model.weight_bytes),
+                     "route_between_workers": route}
     records: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        configs = build_configs(loaded, root, stack)
+        configs = build_configs(loaded, root, stack, route)
         measure(configs, ("single", "2w"), ids, prompts, plan)
         rss = {c.name: measure_rss(c, ids, plan.new_tokens) for c in configs if c.cluster}
         single = configs[0]
@@ -505,9 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK.new_tokens} tokens, {QUICK.runs} runs (CI smoke, < 2 min)")
     p.add_argument("--out", metavar="FILE", help="also write the list of records to FILE (JSON)")
+    p.add_argument("--route", choices=sorted(ROUTE_WORKER_ARGS), default="tcp",
+                   help="how frames go between workers: tcp (the workers' data port) or grpc "
+                        "(workers started --data-listen off) (default %(default)s)")
     opts = p.parse_args(argv)
     t0 = time.perf_counter()
-    records = run(opts.quick)
+    records = run(opts.quick, opts.route)
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(records, f, indent=1)

@@ -80,7 +80,7 @@ def bytes_per_token() -> dict[str, Any]:
     """SmolLM2's bound bytes per decode step (jaxdist, float32) and its GGUF tensor bytes."""
     import gguf
 
-    from jaxdist.cli.generate import default_model
+    from jaxdist.export.plugins import default_model
     from jaxdist.export.plugins import load_model
 
     path = default_model()

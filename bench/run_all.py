@@ -10,12 +10,14 @@ which this script never touches.
 Order: limits, transport, decode, llamacpp (only with ``--with-llamacpp``; right after decode,
 whose records it compares against), scaling, memory, deploy, serve (llama-server too when
 bench/serve.py finds it built), soak (only with ``--with-soak``:
-a stability run, 4 minutes here). A benchmark that fails or times out is reported as such in
+a stability run, 4 minutes here), chaos (only with ``--with-chaos``: workers killed and
+restarted under load, 4 minutes here; run ``bench/chaos.py`` alone for the full 30). A benchmark that fails or times out is reported as such in
 RESULTS.md and the others still run.
 
 Usage::
 
-    python bench/run_all.py [--quick] [--with-llamacpp] [--with-soak] [--only NAME,NAME]
+    python bench/run_all.py [--quick] [--with-llamacpp] [--with-soak] [--with-chaos]
+                            [--only NAME,NAME]
                             [--no-results | --report-only]
 
 ``--with-llamacpp`` builds llama.cpp into bench/.venv-llamacpp on first use (8 to 12 minutes on 2
@@ -42,8 +44,9 @@ import report
 
 OUT = HERE / "out"
 BENCHES = ("limits", "transport", "decode", "llamacpp", "scaling", "memory", "deploy", "serve",
-           "soak")
-OPT_IN = {"llamacpp": "with_llamacpp", "soak": "with_soak"}   # benchmark -> option that runs it
+           "soak", "chaos")
+OPT_IN = {"llamacpp": "with_llamacpp", "soak": "with_soak",  # benchmark -> option that runs it
+          "chaos": "with_chaos"}
 SOAK_MINUTES = "4"   # bench/soak.py defaults to 10 minutes; here it keeps to the 5-minute budget
 TIMEOUT_S = 600          # a benchmark is meant to take under 300 s; this only stops a hang
 BUDGET_S = 300
@@ -125,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--with-soak", action="store_true",
                    help=f"also run bench/soak.py ({SOAK_MINUTES} minutes, 1 with --quick): "
                         "worker memory must stay flat under continuous generation")
+    p.add_argument("--with-chaos", action="store_true",
+                   help=f"also run bench/chaos.py ({SOAK_MINUTES} minutes, 2 with --quick): "
+                        "SIGKILLed workers, no request lost, outputs as solo runs")
     p.add_argument("--only", help="comma-separated subset of: " + ", ".join(BENCHES))
     p.add_argument("--no-results", action="store_true",
                    help="run and print, but leave RESULTS.md and the plots alone")
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "error": build["error"]})
                     continue
                 extra = []
-            if name == "soak" and not opts.quick:
+            if name in ("soak", "chaos") and not opts.quick:
                 extra = ["--minutes", SOAK_MINUTES]
             runs.append(run_bench(name, opts.quick, extra))
     finally:
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"started": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
                "wall_s": round(time.time() - started, 1), "quick": opts.quick,
                "with_llamacpp": opts.with_llamacpp, "with_soak": opts.with_soak,
+               "with_chaos": opts.with_chaos,
                "machine": machine,
                "llamacpp_build": build,
                "runs": [{k: v for k, v in r.items() if k != "records"} for r in runs]}

@@ -41,8 +41,8 @@ from jaxdist.export.causal_lm import STEP_CONTROL, CausalLM, step_signature
 from jaxdist.export.model import Model, Param, Unit
 from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
-from jaxdist.exporters.source import Source, WeightTable, open_source
-from jaxdist.exporters.tokenizer import load_tokenizer
+from jaxdist.exporters.source import Headers, Source, WeightTable, open_source
+from jaxdist.exporters.tokenizer import gguf_tokenizer, load_tokenizer
 
 __all__ = ["EXPORTER", "GPT2Config", "gpt2_model"]
 
@@ -241,8 +241,9 @@ class _Weights(WeightTable):
         return super().param(logical, shape, i, transpose=transpose)
 
 
-def _load_source(path: str, roots: Roots, dtype: str) -> tuple[GPT2Config, _Weights, str]:
-    src = open_source(path, roots)
+def _load_source(path: str, roots: Roots, dtype: str, headers: Headers | None = None
+                 ) -> tuple[GPT2Config, _Weights, str]:
+    src = open_source(path, roots, headers)
     if src.scheme == "gguf":
         cfg = _gguf_config(src.metadata, src.infos, path)
     else:
@@ -252,8 +253,8 @@ def _load_source(path: str, roots: Roots, dtype: str) -> tuple[GPT2Config, _Weig
 
 def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4,
                max_seq: int = 512, dtype: str = "float32", return_logits: bool = False,
-               prefill_buckets: Sequence[int] = (16, 64, 128, 256), quantized: bool = False
-               ) -> Model:
+               prefill_buckets: Sequence[int] = (16, 64, 128, 256), quantized: bool = False,
+               headers: Headers | None = None) -> Model:
     """Describe a GPT-2 model (GGUF file or HF directory) as jaxdist units.
 
     GGUF weights are dequantized when bound: ``quantized=True`` (the packed path of the llama
@@ -269,6 +270,8 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
             LayerNorm, attention scores and logits are computed in float32.
         return_logits: the head also returns the last position's ``logits (b, vocab)``.
         prefill_buckets: prompt lengths compiled ahead of time (``b = 1``), besides decode.
+        headers: read a GGUF file's headers there instead of under ``roots`` (see
+            :func:`jaxdist.exporters.source.open_source`).
 
     Returns:
         The :class:`~jaxdist.export.model.Model`; ``meta`` holds ``config``, ``eos_ids``, ``bos_id``,
@@ -288,7 +291,7 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
         raise SpecError(f"gpt2_model: max_slots and max_seq must be >= 1, found {max_slots} "
                         f"and {max_seq}")
     path = os.fspath(path)
-    cfg, w, kind = _load_source(path, roots, dtype)
+    cfg, w, kind = _load_source(path, roots, dtype, headers)
     if cfg.d_model % cfg.n_heads:
         raise SpecError(f"'{path}': n_embd {cfg.d_model} is not a multiple of n_head "
                         f"{cfg.n_heads}")
@@ -335,13 +338,20 @@ class _GPT2Exporter:
     kind: str = "causal-lm"
     architectures: frozenset[str] = frozenset({"gpt2", "GPT2LMHeadModel"})
 
-    def load(self, path: str, *, roots: Sequence[str], **options: Any) -> LoadedModel:
+    def load(self, path: str, *, roots: Sequence[str], headers: Headers | None = None,
+             **options: Any) -> LoadedModel:
         """Describe ``path`` (see :func:`gpt2_model` for ``options``) and load its tokenizer."""
-        model = gpt2_model(path, roots=roots, **options)
-        real = resolve_path(path, roots)
+        model = gpt2_model(path, roots=roots, headers=headers, **options)
+        tokenizer: Any = None
         # A GGUF written without tokenizer metadata (tests, custom converters) has no tokenizer.
-        has_vocab = real.suffix != ".gguf" or "tokenizer.ggml.model" in gguf_metadata(real)
-        tokenizer = load_tokenizer(real) if has_vocab else None
+        if headers is not None:
+            meta = headers.metadata(path)
+            if "tokenizer.ggml.model" in meta:
+                tokenizer = gguf_tokenizer(meta, path)
+        else:
+            real = resolve_path(path, roots)
+            if real.suffix != ".gguf" or "tokenizer.ggml.model" in gguf_metadata(real):
+                tokenizer = load_tokenizer(real)
         eos = dict.fromkeys(model.meta["eos_ids"])
         if tokenizer is not None:
             eos.update(dict.fromkeys(sorted(tokenizer.eos_ids)))

@@ -55,8 +55,8 @@ from jaxdist.export.causal_lm import STEP_CONTROL, CausalLM, step_signature
 from jaxdist.export.model import Model, Unit
 from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
-from jaxdist.exporters.source import WeightTable, open_source
-from jaxdist.exporters.tokenizer import load_tokenizer
+from jaxdist.exporters.source import Headers, WeightTable, open_source
+from jaxdist.exporters.tokenizer import gguf_tokenizer, load_tokenizer
 
 __all__ = ["EXPORTER", "LlamaConfig", "llama_model"]
 
@@ -295,9 +295,9 @@ def _head(cfg: LlamaConfig, return_logits: bool, params: dict[str, Any], state: 
 # The model
 
 
-def _load_source(path: str, roots: Roots, dtype: str, quantized: bool
-                 ) -> tuple[LlamaConfig, WeightTable, str]:
-    src = open_source(path, roots)
+def _load_source(path: str, roots: Roots, dtype: str, quantized: bool,
+                 headers: Headers | None = None) -> tuple[LlamaConfig, WeightTable, str]:
+    src = open_source(path, roots, headers)
     if src.scheme == "gguf":
         cfg = _gguf_config(src.metadata, src.infos, path)
     else:
@@ -310,8 +310,8 @@ def _load_source(path: str, roots: Roots, dtype: str, quantized: bool
 
 def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4,
                 max_seq: int = 512, dtype: str = "float32", return_logits: bool = False,
-                prefill_buckets: Sequence[int] = (16, 64, 128, 256), quantized: bool = True
-                ) -> Model:
+                prefill_buckets: Sequence[int] = (16, 64, 128, 256), quantized: bool = True,
+                headers: Headers | None = None) -> Model:
     """Describe a Llama-family model (GGUF file or HF directory) as jaxdist units.
 
     Args:
@@ -328,6 +328,8 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
             multiplied by the CPU kernels or dequantized in the graph on GPU/TPU
             (:mod:`jaxdist.core.kernels.ops`); ``False`` dequantizes every weight to ``dtype`` when
             bound (6 to 7 times the memory of a 4-bit file).
+        headers: read a GGUF file's headers there instead of under ``roots`` (a worker's,
+            through ``DescribeWeights``; see :func:`jaxdist.exporters.source.open_source`).
 
     Returns:
         The :class:`~jaxdist.export.model.Model`; ``meta`` holds ``config``, ``eos_ids``, ``bos_id``,
@@ -344,7 +346,7 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
         raise SpecError(f"llama_model: max_slots and max_seq must be >= 1, found {max_slots} "
                         f"and {max_seq}")
     path = os.fspath(path)
-    cfg, w, kind = _load_source(path, roots, dtype, quantized)
+    cfg, w, kind = _load_source(path, roots, dtype, quantized, headers)
     if cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
         raise SpecError(f"'{path}': n_heads {cfg.n_heads} must be a multiple of n_kv_heads "
                         f"{cfg.n_kv_heads}, and head_dim {cfg.head_dim} even")
@@ -406,11 +408,16 @@ class _LlamaExporter:
     kind = "causal-lm"
     architectures = frozenset({"llama", "qwen2", *_HF_ARCHS})
 
-    def load(self, path: str, *, roots: Roots, **options: Any) -> LoadedModel:
-        model = llama_model(path, roots=roots, **options)
-        root_path = next((Path(r) / path for r in roots if (Path(r) / path).exists()), Path(path))
+    def load(self, path: str, *, roots: Roots, headers: Headers | None = None, **options: Any
+             ) -> LoadedModel:
+        model = llama_model(path, roots=roots, headers=headers, **options)
         meta = model.meta
-        tokenizer = load_tokenizer(root_path)
+        if headers is not None:
+            tokenizer = gguf_tokenizer(headers.metadata(path), path)
+        else:
+            root_path = next((Path(r) / path for r in roots if (Path(r) / path).exists()),
+                             Path(path))
+            tokenizer = load_tokenizer(root_path)
         # The tokenizer may know more end-of-generation ids than the config (e.g. <|endoftext|>
         # beside <|im_end|>), as llama.cpp does.
         extra = tokenizer.eos_ids if tokenizer is not None else ()

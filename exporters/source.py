@@ -18,8 +18,9 @@ from jaxdist.core.errors import SpecError
 from jaxdist.core.kernels import KERNEL_TYPES
 from jaxdist.core.weights import WeightCache, WeightInfo
 from jaxdist.export.model import Param
+from jaxdist.export.plugins import Headers
 
-__all__ = ["Source", "WeightTable", "open_source"]
+__all__ = ["Headers", "Source", "WeightTable", "open_source"]
 
 Roots = Sequence[str | os.PathLike[str]]
 
@@ -57,36 +58,54 @@ class Source:
         return self._infos
 
 
-def open_source(path: str, roots: Roots) -> Source:
+def open_source(path: str, roots: Roots, headers: Headers | None = None) -> Source:
     """Find a ``.gguf`` file or an HF directory under ``roots`` and read its metadata.
 
+    Args:
+        path: as the URIs will write it.
+        roots: this machine's weight roots.
+        headers: read the headers there instead (a GGUF file only: an HF directory's
+            ``config.json`` and tokenizer files are read from this machine).
+
     Raises:
-        SpecError: neither a GGUF file nor a directory with ``config.json``.
+        SpecError: neither a GGUF file nor a directory with ``config.json``, or ``headers``
+            given for an HF directory.
         WeightError: the path is outside the roots or unreadable.
     """
+    if headers is not None:
+        if Path(path).suffix != ".gguf":
+            raise SpecError(f"'{path}': a model planned from the workers' disks must be a .gguf "
+                            f"file (its header holds the config and the tokenizer); an HF "
+                            f"directory must also exist on this machine (pass --model)")
+        return _gguf_source(path, roots, headers)
     if Path(path).suffix == ".gguf":
         with WeightCache(roots) as cache:
-            meta = cache.metadata(path)
-            files = split_parts(path, meta)
-            infos: dict[str, WeightInfo] = {}
-            parts: dict[str, str] = {}
-            for part in files:
-                for name, info in cache.describe(part).items():
-                    if name in infos:
-                        raise SpecError(f"split GGUF '{path}': tensor '{name}' is in both "
-                                        f"'{parts[name]}' and '{part}'")
-                    infos[name], parts[name] = info, part
-            expected = meta.get("split.tensors.count")
-            if len(files) > 1 and expected is not None and int(expected) != len(infos):
-                raise SpecError(f"split GGUF '{path}': split.tensors.count is {expected}, the "
-                                f"{len(files)} parts hold {len(infos)} tensors")
-            return Source("gguf", path, roots, meta, None, infos, parts)
+            return _gguf_source(path, roots, cache)
     dirs = [Path(path)] if Path(path).is_absolute() else [Path(r) / path for r in roots]
     directory = next((p for p in dirs if (p / "config.json").is_file()), None)
     if directory is None:
         raise SpecError(f"'{path}': expected a .gguf file or a Hugging Face directory with "
                         f"config.json under the weight roots {[os.fspath(r) for r in roots]}")
     return Source("safetensors", path, roots, {}, directory)
+
+
+def _gguf_source(path: str, roots: Roots, headers: Headers) -> Source:
+    """A GGUF file's metadata and tensor table, from every part of a split file."""
+    meta = headers.metadata(path)
+    files = split_parts(path, meta)
+    infos: dict[str, WeightInfo] = {}
+    parts: dict[str, str] = {}
+    for part in files:
+        for name, info in headers.describe(part).items():
+            if name in infos:
+                raise SpecError(f"split GGUF '{path}': tensor '{name}' is in both "
+                                f"'{parts[name]}' and '{part}'")
+            infos[name], parts[name] = info, part
+    expected = meta.get("split.tensors.count")
+    if len(files) > 1 and expected is not None and int(expected) != len(infos):
+        raise SpecError(f"split GGUF '{path}': split.tensors.count is {expected}, the "
+                        f"{len(files)} parts hold {len(infos)} tensors")
+    return Source("gguf", path, roots, meta, None, infos, parts)
 
 
 _SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")

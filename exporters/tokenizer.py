@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from jaxdist.core.errors import SpecError
 from jaxdist.core.weights.gguf import metadata as gguf_metadata
 
-__all__ = ["PRE_TOKENIZERS", "StreamDecoder", "Tokenizer", "load_tokenizer"]
+__all__ = ["PRE_TOKENIZERS", "StreamDecoder", "Tokenizer", "gguf_tokenizer", "load_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +175,16 @@ class Tokenizer:
             SpecError: a tokenizer key is missing, or the model type or pre-tokenizer is not
                 supported; the message names the file and the key.
         """
-        where = str(path)
-        meta = gguf_metadata(path)
+        return cls.from_gguf_metadata(gguf_metadata(path), str(path))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], where: str) -> Tokenizer:
+        """Rebuild the tokenizer from a GGUF file's key/value metadata, read already (on this
+        machine, or by a worker's ``DescribeWeights``); ``where`` names the file in errors.
+
+        Raises:
+            SpecError: as :meth:`from_gguf`.
+        """
         model = _require(meta, _K.MODEL, where)
         tokens = _require(meta, _K.LIST, where)
         types = meta.get(_K.TOKEN_TYPE) or [int(_TT.NORMAL)] * len(tokens)
@@ -324,14 +332,24 @@ def load_tokenizer(model_path: str | os.PathLike[str]) -> Tokenizer | None:
     """
     p = Path(model_path)
     if p.is_file() and p.suffix == ".gguf":
-        if gguf_metadata(p).get(_K.MODEL) == "none":  # llama.cpp's "no vocabulary"
-            logger.info("GGUF '%s' has no tokenizer (tokenizer.ggml.model = none): pass token "
-                     "ids", p)
-            return None
-        return Tokenizer.from_gguf(p)
+        return gguf_tokenizer(gguf_metadata(p), str(p))
     if p.is_dir() and (p / "tokenizer.json").is_file():
         return Tokenizer.from_dir(p)
     return None
+
+
+def gguf_tokenizer(meta: Mapping[str, Any], where: str) -> Tokenizer | None:
+    """The tokenizer a GGUF file's metadata describes; ``None`` for a file that declares no
+    vocabulary (``tokenizer.ggml.model = "none"``, which llama.cpp accepts).
+
+    Raises:
+        SpecError: as :meth:`Tokenizer.from_gguf_metadata`.
+    """
+    if meta.get(_K.MODEL) == "none":  # llama.cpp's "no vocabulary"
+        logger.info("GGUF '%s' has no tokenizer (tokenizer.ggml.model = none): pass token ids",
+                    where)
+        return None
+    return Tokenizer.from_gguf_metadata(meta, where)
 
 
 # --- GGUF vocabularies ----------------------------------------------------------------------

@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["Pipeline", "Session"], "jaxdist.coordinator.pipeline"),
     "Cluster": "jaxdist.coordinator.cluster",
     "Engine": "jaxdist.coordinator.engine",
+    "LLM": "jaxdist.coordinator.llm",
+    **dict.fromkeys(["SamplingParams", "GenerationResult"], "jaxdist.coordinator.request"),
     "InProcessPipeline": "jaxdist.coordinator.inprocess",
 }
 
@@ -55,6 +57,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (the names are in __all__)
     from jaxdist.coordinator.cluster import Cluster
     from jaxdist.coordinator.engine import Engine
     from jaxdist.coordinator.inprocess import InProcessPipeline
+    from jaxdist.coordinator.llm import LLM
+    from jaxdist.coordinator.request import GenerationResult, SamplingParams
     from jaxdist.coordinator.pipeline import Pipeline, Session
     from jaxdist.core.artifacts import Artifact, export_stage, load_artifact
     from jaxdist.core.devices import DeviceDirective, parse_directive, resolve_device

@@ -127,7 +127,13 @@ def test_cuda_tpu_artifact_inspectable(artifact: Artifact) -> None:
     assert custom_call_targets(exported) == {"shape_assertion"}
 
 
-def test_linalg_custom_calls_are_allowed_by_default() -> None:
+LINALG_ALLOWED = DEFAULT_CUSTOM_CALL_ALLOWLIST | {"lapack_*_ffi", "cusolver_*_ffi",
+                                                 "cu_lu_pivots_to_permutation", "Eigh", "Qr",
+                                                 "ProductOfElementaryHouseholderReflectors",
+                                                 "LuDecomposition"}
+
+
+def test_linalg_custom_calls_are_denied_by_default_and_load_when_allowed() -> None:
     def solve(params, state, inputs):
         a = inputs["a"] @ inputs["a"].T + 8 * jnp.eye(8)
         return {"x": jnp.linalg.solve(a, params["b"]), "l": jnp.linalg.cholesky(a)}, {}
@@ -136,7 +142,33 @@ def test_linalg_custom_calls_are_allowed_by_default() -> None:
         art = export_stage(solve, params={"b": ((8, 2), "float32")},
                            inputs={"a": ((8, 8), "float32")}, platforms=platforms)
         assert art.meta.custom_call_targets, platforms  # linalg lowers to custom calls
-        load_artifact(art.data, platform=platforms[0])
+        with pytest.raises(ArtifactError, match="not on the allowlist"):
+            load_artifact(art.data, platform=platforms[0])
+        # jax's own lowerings alias each result buffer they overwrite to an operand of its type
+        load_artifact(art.data, platform=platforms[0], allowed_custom_calls=LINALG_ALLOWED)
+
+
+def _undersized_getrf(params, state, inputs):
+    """The attack: LAPACK's LU factorization of a 512 x 512 operand into a declared 1 x 1
+    result (the handler sizes what it writes from the operand: a heap overflow)."""
+    call = jax.ffi.ffi_call("lapack_sgetrf_ffi", (jax.ShapeDtypeStruct((1, 1), jnp.float32),
+                                                  jax.ShapeDtypeStruct((1,), jnp.int32),
+                                                  jax.ShapeDtypeStruct((), jnp.int32)))
+    return {"y": call(inputs["x"])[0]}, {}
+
+
+def test_undersized_linalg_result_is_refused_even_when_allowed() -> None:
+    art = export_stage(_undersized_getrf, params={}, inputs={"x": ((512, 512), "float32")},
+                       platforms=("cpu",), unstable_custom_calls=["lapack_sgetrf_ffi"])
+    assert len(art.data) < 4096  # the attacker's artifact is small
+    with pytest.raises(ArtifactError, match="'lapack_sgetrf_ffi', which is not on the allowlist"):
+        load_artifact(art.data)
+    with pytest.raises(ArtifactError, match=r"'lapack_sgetrf_ffi' does not check its buffers"):
+        load_artifact(art.data, allowed_custom_calls=LINALG_ALLOWED)
+
+
+def test_default_allowlist_is_what_the_projects_stages_need() -> None:
+    assert DEFAULT_CUSTOM_CALL_ALLOWLIST == {"shape_assertion"}
 
 
 def test_default_allowlist_only_has_jax_stable_targets() -> None:

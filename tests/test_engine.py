@@ -402,14 +402,33 @@ def test_real_model_text_equals_full_decode_of_its_tokens(tiny, pipe, smollm_tok
 # 5. failover
 
 
+class _Fed:
+    """The pipeline, recording the tokens each step feeds per KV slot, by session."""
+
+    def __init__(self, pipeline: Any) -> None:
+        self._pipeline = pipeline
+        self.fed: dict[str, dict[int, list[list[int]]]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipeline, name)
+
+    def submit(self, inputs: Any, **kw: Any) -> Any:
+        per_slot = self.fed.setdefault(kw["session_id"], {})
+        for row, slot, n in zip(inputs["tokens"], inputs["slot"], inputs["length"]):
+            if n > 0:  # padding rows (slot max_slots) are recorded too, under a slot of their own
+                per_slot.setdefault(int(slot), []).append([int(t) for t in row[:n]])
+        return self._pipeline.submit(inputs, **kw)
+
+
 def test_failover_in_a_long_lived_engine_keeps_the_output(tiny):
     """Requests before, during and after a worker's death on one engine: the dead worker's
     stages move to the spare, the running requests are recomputed, and every request comes out
-    as without a fault, each token streamed once."""
+    as without a fault, each token streamed once. The recomputation rebuilds each cache as it
+    was built: the prompt prefilled as before, then each generated token decoded again."""
     root, hf, model = tiny
     lengths = [20, 16, 24, 12]
     with Cluster.local(2, weights_roots=[str(root)], spares=1) as cluster:
-        pipeline = cluster.deploy(model, stages=2)
+        pipeline = _Fed(cluster.deploy(model, stages=2))
         engine, rec = _observed(pipeline, model, depth=2)
         with engine:
             clean = [s.result(WAIT).tokens for s in
@@ -431,6 +450,29 @@ def test_failover_in_a_long_lived_engine_keeps_the_output(tiny):
                 assert [t for d in s for t in d.token_ids] == r.tokens
             assert [f.failed for f in pipeline.failovers] == [victim.address]
             assert engine.recomputed == len(PROMPTS[:4])
+            # The session after the failover gave each slot its prompt in one prefill chunk,
+            # then one token per step: the tokens it had generated, decoded again. (A prefill
+            # of prompt + tokens would start with another chunk than the prompt.)
+            def decoded(steps: list[list[int]], prompt: list[int]) -> list[int] | None:
+                """The tokens fed one per step after ``prompt`` in its prefill chunks."""
+                n = 0
+                for k, step in enumerate(steps):
+                    if n == len(prompt):
+                        rest = steps[k:]
+                        return [t[0] for t in rest] if all(len(t) == 1 for t in rest) else None
+                    if step != prompt[n:n + BUCKETS[-1]]:
+                        return None
+                    n += len(step)
+                return [] if n == len(prompt) else None
+
+            sessions = [v for v in pipeline.fed.values()
+                        if all(any(decoded(steps, p) is not None for steps in v.values())
+                               for p in PROMPTS[:4])]
+            assert len(sessions) == 3  # the clean runs, the one that failed over, its rebuild
+            for r, prompt in zip(results, PROMPTS):
+                fed = next(d for v in sessions[2].values()
+                           if (d := decoded(v, prompt)) is not None)
+                assert fed and fed == r.tokens[:len(fed)]
             # The same engine goes on serving.
             assert engine.submit(PROMPTS[0], _greedy(20)).result(WAIT).tokens == clean[0]
         pipeline.close()

@@ -19,7 +19,9 @@ SIDES: dict[str, set[str]] = {
     "jaxdist.export": {"jaxdist.core"},
     "jaxdist.exporters": {"jaxdist.core", "jaxdist.export"},
     "jaxdist.registry": {"jaxdist.core", "jaxdist.export"},
-    "jaxdist.coordinator": {"jaxdist.core", "jaxdist.export", "jaxdist.registry"},
+    "jaxdist.coordinator": {"jaxdist.core", "jaxdist.export", "jaxdist.registry",
+                            "jaxdist.launch"},
+    "jaxdist.launch": {"jaxdist.core"},
     "jaxdist.worker": {"jaxdist.core"},
     "jaxdist.serving": {"jaxdist.core", "jaxdist.coordinator"},
 }

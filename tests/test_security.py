@@ -557,6 +557,56 @@ def test_mtls_with_certificate_but_no_token_is_unauthenticated(pki, mtls_cluster
     _serves(mtls_cluster.pipe, mlp_root)
 
 
+def _data_handshake(address: str, **files: str | None) -> object:
+    """The data port's handshake (``transport/stream.py``), with the TLS and token of
+    ``files`` (as a worker dials its next hop); returns the hello, or raises."""
+    import asyncio
+
+    from jaxdist.core.transport import stream
+
+    auth = client_auth(**files)
+    host, _, port = address.rpartition(":")
+
+    async def shake() -> object:
+        async with asyncio.timeout(60):  # a bound on the test: the worker closes long before
+            reader, writer = await asyncio.open_connection(
+                host, int(port), ssl=auth.ssl_context,
+                server_hostname=host if auth.ssl_context else None)
+            try:
+                return await stream.client_handshake(reader, writer, key=auth.hmac_key,
+                                                     peer=address)
+            finally:
+                writer.close()
+
+    return asyncio.run(shake())
+
+
+def test_data_connections_under_mtls_and_token(pki, mtls_cluster, mlp_root) -> None:
+    """Worker 0 reaches worker 1's data port with TLS, its client certificate and the proof of
+    the token; the same worker refuses a data connection that lacks any of them."""
+    import ssl
+
+    pipe = mtls_cluster.pipe
+    data = f"127.0.0.1:{pipe.clients[1].info().data_port}"
+    assert pipe.specs[0].next_data_hop == data
+    routes = {st.stage_index: st.route for st in pipe.clients[0].info().stages
+              if st.pipeline_id == pipe.pipeline_id}
+    assert routes == {0: "tcp"}
+    good = {"tls_ca": pki.ca, "tls_cert": pki.cert, "tls_key": pki.key}
+    assert _data_handshake(data, token_file=pki.token, **good).needs_token
+    with pytest.raises(AuthError, match="missing credentials: this worker's data port requires"):
+        _data_handshake(data, **good)
+    with pytest.raises(AuthError, match="wrong credentials"):
+        _data_handshake(data, token_file=pki.wrong_token, **good)
+    for files in ({}, {"tls_ca": pki.ca}, {"tls_ca": pki.ca, "tls_cert": pki.rogue_cert,
+                                           "tls_key": pki.rogue_key},
+                  {"tls_ca": pki.other_ca, "tls_cert": pki.cert, "tls_key": pki.key}):
+        # plaintext, no client certificate, one of another CA, a worker not trusted
+        with pytest.raises((TransportError, ssl.SSLError, ConnectionError)):
+            _data_handshake(data, token_file=pki.token, **files)
+    _serves(pipe, mlp_root)
+
+
 # ---------------------------------------------------------------------------------------------
 # TLS without authentication, on all interfaces
 

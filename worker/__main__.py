@@ -1,11 +1,12 @@
 """``jaxdist-worker`` / ``python -m jaxdist.worker``: the generic worker process.
 
 Prints ``jaxdist-worker listening on HOST:PORT device=PLATFORM:INDEX`` on stdout once it is ready,
-its first line (then ``jaxdist-worker health on HOST:PORT`` and ``jaxdist-worker metrics on
-http://HOST:PORT/metrics`` when ``--health-listen`` and ``--metrics-listen`` are given; they
-come after it so that a reader waiting for the first line finds it first), and its gRPC health
+its first line (then ``jaxdist-worker health on HOST:PORT``, ``jaxdist-worker data port on
+HOST:PORT`` and ``jaxdist-worker metrics on http://HOST:PORT/metrics`` when there are such
+ports; they come after it so that a reader waiting for the first line finds it first), and its
+gRPC health
 turns ``SERVING``. SIGTERM (or SIGINT) turns health ``NOT_SERVING``, drains
-in-flight frames, then exits 0.
+in-flight frames, then exits 0, at once even while a stage compiles (the load is abandoned).
 """
 
 from __future__ import annotations
@@ -46,16 +47,49 @@ def _host_port(text: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def _data_listen(text: str) -> str:
+    """``--data-listen``: ``off``, or ``HOST:PORT`` as :func:`_host_port` reads it."""
+    if text.strip().lower() == "off":
+        return "off"
+    host, port = _host_port(text)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _allowed_custom_calls(patterns: list[str]) -> frozenset[str]:
+    from jaxdist.core.vetting import DEFAULT_CUSTOM_CALL_ALLOWLIST  # noqa: PLC0415
+
+    for pattern in patterns:
+        if not pattern.strip() or pattern.strip("*?") == "":
+            raise JaxdistError(f"--allow-custom-call {pattern!r}: expected a target name or a "
+                               f"pattern naming some (e.g. 'lapack_*_ffi'), not one that "
+                               f"matches every target")
+    if patterns:
+        logging.getLogger("jaxdist.worker").warning(
+            "custom call targets allowed beyond the default: %s (artifacts may run this native "
+            "code on buffers XLA does not check)", ", ".join(patterns))
+    return DEFAULT_CUSTOM_CALL_ALLOWLIST | frozenset(patterns)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="jaxdist-worker", description="The generic jaxdist worker: "
                                 "runs any stage a coordinator ships to it.")
     p.add_argument("--version", action="version", version=version_line("jaxdist-worker"))
     p.add_argument("--listen", default="127.0.0.1:50051",
                    help="HOST:PORT to serve on; port 0 picks a free port (default %(default)s)")
+    p.add_argument("--data-listen", type=_data_listen, default=None, metavar="HOST:PORT|off",
+                   help="the data port: the previous stages' workers send frames here over "
+                        "TCP instead of gRPC, with this worker's token and TLS (see "
+                        "SECURITY.md); 'off': they use gRPC (default: the --listen host, a "
+                        "free port)")
     p.add_argument("--device", default="auto",
                    help="auto | cpu | cuda[:N] | rocm[:N] | tpu[:N] | metal (default %(default)s)")
     p.add_argument("--weights-root", action="append", default=[], metavar="DIR",
                    help="directory weight URIs may resolve under (repeatable)")
+    p.add_argument("--allow-custom-call", action="append", default=[], metavar="PATTERN",
+                   help="also accept artifacts calling custom call targets matching this "
+                        "fnmatch pattern, e.g. 'lapack_*_ffi' for jnp.linalg on CPU "
+                        "(repeatable; default: only shape_assertion and jaxdist's own kernels; "
+                        "this trusts the artifacts' authors with native code, see SECURITY.md)")
     p.add_argument("--artifact-cache", default=str(jd_config.default_artifact_cache()),
                    metavar="DIR", help="on-disk artifact cache (default %(default)s)")
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
@@ -138,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after logging is set up: importing jax is slow and may log.
     from jaxdist.core.transport import security
-    from jaxdist.worker.server import create_server
+    from jaxdist.worker.server import create_server, raise_fd_limit
     from jaxdist.worker.servicer import WorkerConfig
 
     for flag, value, least in (("--max-sessions", opts.max_sessions, 1),
@@ -176,8 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                               max_subscriber_bytes=opts.max_subscriber_bytes,
                               peer_auth=security.client_auth(**files),
                               kernels=not opts.no_kernels,
-                              kernel_threads=opts.kernel_threads)
-        server, servicer, address = create_server(opts.listen, config, auth)
+                              kernel_threads=opts.kernel_threads,
+                              allowed_custom_calls=_allowed_custom_calls(opts.allow_custom_call))
+        data_listen = opts.data_listen or f"{opts.listen.rpartition(':')[0]}:0"
+        raise_fd_limit()  # before the server sizes its connection bound from it
+        server, servicer, address = create_server(
+            opts.listen, config, auth, data_listen=None if data_listen == "off" else data_listen)
     except JaxdistError as exc:
         print(f"jaxdist-worker: {exc}", file=sys.stderr)
         return 2
@@ -187,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         if opts.health_listen is not None:
             health_address = servicer.health.serve(*opts.health_listen)
             ports.append(f"jaxdist-worker health on {health_address}")
+        if servicer.data_port:
+            ports.append(f"jaxdist-worker data port on "
+                         f"{data_listen.rpartition(':')[0]}:{servicer.data_port}")
         if opts.metrics_listen is not None:
             from jaxdist.worker.metrics import serve_metrics
 
@@ -200,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     jd_config.configure_compilation_cache(cache_dir, servicer.device.device_kind)
     warning = security.exposure_warning(opts.listen.rpartition(":")[0], auth)
+    if warning is None and servicer.data_port:
+        warning = security.exposure_warning(data_listen.rpartition(":")[0], auth)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
     if not opts.weights_root:
@@ -231,6 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         metrics.close()
     if not drained:
         logging.getLogger("jaxdist.worker").warning("shut down with frames still in flight")
+    if len(servicer.loads):
+        # A load thread may be inside an XLA compile, which cannot be stopped, and the
+        # interpreter would wait for it at exit; its stage is discarded anyway (worker/loads.py).
+        logging.getLogger("jaxdist.worker").warning(
+            "exiting while %d LoadStage calls are still compiling or binding; they are "
+            "abandoned", len(servicer.loads))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -29,7 +29,7 @@ from jaxdist.core.transport.channel import AsyncFrameSender, make_aio_channel
 from jaxdist.core.transport.frames import FrameHeader, result_events, split_frame
 from jaxdist.proto import jaxdist_pb2 as pb
 
-__all__ = ["HEARTBEAT", "GrpcRoute", "Hub", "PeerPool", "Subscription"]
+__all__ = ["HEARTBEAT", "GrpcRoute", "Hub", "PeerPool", "Subscription", "publish_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,15 @@ class Hub:
         call_in_loop(self._loop, end_all, timeout=5)
 
 
+def publish_failure(hub: Hub, header: FrameHeader, error: BaseException, *, stage: int,
+                    address: str) -> None:
+    """Tell a frame's caller, on its subscription, that the frame failed on ``stage`` here (the
+    ``fail`` of every route on a worker)."""
+    err = remote_error(error, stage=stage, address=address)
+    hub.publish(header.pipeline_id, header.reply_to,
+                pb.Event(error=err, request_id=header.request_id, session_id=header.session_id))
+
+
 class PeerPool:
     """The channels of this worker to its stages' next hops, one per address, and the ``Push``
     streams open on them (one per pipeline edge, owned by its :class:`GrpcRoute`). Used on the
@@ -211,6 +220,7 @@ class GrpcRoute:
     """
 
     wants_host = True
+    kind = "grpc"
 
     def __init__(self, spec: StageSpec, *, pipeline_id: str, hub: Hub, peers: PeerPool,
                  address: str) -> None:
@@ -241,10 +251,8 @@ class GrpcRoute:
                 return  # nobody to read the rest (logged by the hub)
 
     async def fail(self, header: FrameHeader, error: BaseException) -> None:
-        err = remote_error(error, stage=self._spec.stage_index, address=self._address)
-        self._hub.publish(header.pipeline_id, header.reply_to,
-                          pb.Event(error=err, request_id=header.request_id,
-                                   session_id=header.session_id))
+        publish_failure(self._hub, header, error, stage=self._spec.stage_index,
+                        address=self._address)
 
     async def close(self) -> None:
         if self._stream is not None:

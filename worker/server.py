@@ -3,8 +3,11 @@
 The server is a ``grpc.aio`` server on a thread of its own running an event loop: the data
 plane. ``Push`` and ``Subscribe`` are coroutines on that loop, which also runs the stages and
 writes the streams to next hops, so a frame crosses a worker without a thread handoff. The
-control calls (``LoadStage``, ``Info``, ...) are plain functions, run in a thread pool, so a
-long compile or weight load never stalls the loop.
+worker's data port (``data_listener.py``: frames from the previous workers over TCP) is served
+on the same loop. The
+control calls (``Info``, ``UnloadStage``, ...) are plain functions, run in a thread pool, and
+``LoadStage`` waits on the loop for a load thread of its own (``worker/loads.py``), so a long
+compile or weight load never stalls the loop.
 
 Credentials (``jaxdist.core.transport.security``): with TLS the port is a secure port (mutual TLS when
 a CA is given); with a token, an interceptor refuses every call without it before the servicer
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import resource
 import threading
 from concurrent import futures
 
@@ -25,6 +29,7 @@ from jaxdist.core.errors import TransportError
 from jaxdist.core.transport import wire
 from jaxdist.core.transport.channel import SERVER_OPTIONS
 from jaxdist.core.transport.security import ServerAuth
+from jaxdist.worker.data_listener import DataListener
 from jaxdist.worker.servicer import WorkerConfig, WorkerServicer
 
 __all__ = ["WorkerServer", "create_server"]
@@ -39,15 +44,23 @@ class WorkerServer:
     """A started worker server and the loop thread it runs on (made by :func:`create_server`)."""
 
     def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop,
-                 thread: threading.Thread) -> None:
+                 thread: threading.Thread, data: DataListener | None = None) -> None:
         self._server = server
         self._loop = loop
         self._thread = thread
+        self._data = data
 
     def stop(self, grace: float | None) -> threading.Event:
-        """Stop serving; calls still running get ``grace`` seconds. The event is set when done."""
+        """Stop serving; calls still running get ``grace`` seconds. The event is set when done.
+        The data port closes at once, with its connections."""
         done = threading.Event()
-        future = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+
+        async def stop() -> None:
+            if self._data is not None:
+                await self._data.close()
+            await self._server.stop(grace)
+
+        future = asyncio.run_coroutine_threadsafe(stop(), self._loop)
         future.add_done_callback(lambda _: done.set())
         return done
 
@@ -57,15 +70,46 @@ class WorkerServer:
         return bool(future.result())
 
 
-def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = None
-                  ) -> tuple[WorkerServer, WorkerServicer, str]:
+FD_RESERVE = 256
+"""File descriptors kept for the worker's own use (weights, artifacts, peers, logs) beyond the
+connections it accepts."""
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit of open files to the hard one (capped at 65536); the new soft limit.
+
+    Linux starts most processes at a soft limit of 1024, which a few hundred idle connections
+    exhaust; the hard limit is the administrator's bound and stays."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 65536, 65536)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, want, exc)
+    return soft
+
+
+def connection_limit() -> int:
+    """Connections the gRPC port holds at once: the open-file limit less :data:`FD_RESERVE`
+    (at least 64). Beyond it a new connection waits for one to close; an idle one that never
+    finishes its handshake is closed after 5 s (``grpc.server_handshake_timeout_ms``)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, soft - FD_RESERVE)
+
+
+def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = None, *,
+                  data_listen: str | None = None) -> tuple[WorkerServer, WorkerServicer, str]:
     """Create and start a worker server on ``HOST:PORT`` (port 0 picks a free port).
 
     Args:
         listen: ``HOST:PORT`` to bind.
         config: the worker's configuration.
         auth: what callers must present (``security.server_auth``); ``None``: plaintext, no
-            credentials checked.
+            credentials checked. The data port requires the same.
+        data_listen: ``HOST:PORT`` of the data port (``--data-listen``); ``None``: none, and
+            the previous stages send to this worker over gRPC.
 
     Returns:
         ``(server, servicer, address)`` where ``address`` is the bound ``HOST:PORT``.
@@ -74,18 +118,19 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
         TransportError: the address cannot be bound.
     """
     auth = auth or ServerAuth()
-    host, _, port = listen.rpartition(":")
-    if not host or not re.fullmatch(r"[0-9]{1,5}", port, re.ASCII):
-        raise TransportError(f"--listen expects HOST:PORT, found {listen!r}")
+    host = _host_port("--listen", listen)[0]
+    data_at = _host_port("--data-listen", data_listen) if data_listen is not None else None
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="data-plane", daemon=True)
     thread.start()
 
-    async def start() -> tuple[grpc.aio.Server, WorkerServicer, str]:
+    async def start() -> tuple[grpc.aio.Server, WorkerServicer, str, DataListener | None]:
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=MAX_WORKERS,
                                                              thread_name_prefix="rpc"),
-            options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_WORKERS * 4,
+            options=[*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections",
+                                       connection_limit())],
+            maximum_concurrent_rpcs=MAX_WORKERS * 4,
             interceptors=auth.interceptors or None)
         try:
             if auth.credentials is not None:
@@ -98,15 +143,27 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
             raise TransportError(f"cannot listen on {listen}: address in use or not available")
         address = f"{host}:{bound}"
         servicer = WorkerServicer(config, address=address)
+        data = None
+        if data_at is not None:
+            data = DataListener(servicer, auth)
+            servicer.data_port = await data.start(data_at[0].strip("[]"), int(data_at[1]))
         wire.add_worker_servicer(servicer, server)
         await servicer.health.attach(server)
         await server.start()
-        return server, servicer, address
+        return server, servicer, address, data
 
     try:
-        server, servicer, address = asyncio.run_coroutine_threadsafe(start(), loop).result()
+        server, servicer, address, data = asyncio.run_coroutine_threadsafe(start(), loop).result()
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         raise
-    log.info("worker serving on %s (%s)", address, auth.describe())
-    return WorkerServer(server, loop, thread), servicer, address
+    log.info("worker serving on %s (%s)%s", address, auth.describe(),
+             f", data port {servicer.data_port}" if data is not None else ", no data port")
+    return WorkerServer(server, loop, thread, data), servicer, address
+
+
+def _host_port(flag: str, text: str) -> tuple[str, str]:
+    host, _, port = text.rpartition(":")
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port, re.ASCII):
+        raise TransportError(f"{flag} expects HOST:PORT, found {text!r}")
+    return host, port

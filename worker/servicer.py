@@ -2,7 +2,8 @@
 
 Every failure of a call is mapped to a gRPC status in one place, :func:`_failure`, through
 ``jaxdist.core.transport.status``: for unary calls in :func:`_rpc`, which also parses their request
-bytes (see ``jaxdist.core.transport.wire``), and for a stream whose requests cannot be read.
+bytes (see ``jaxdist.core.transport.wire``), in ``LoadStage`` (a coroutine, so that it learns
+when its caller leaves: ``worker/loads.py``), and for a stream whose requests cannot be read.
 Failures of a frame are not call failures: they are reported to the coordinator's subscription
 with the stage, this worker's address and the traceback, and the stream goes on serving the
 next frame.
@@ -28,21 +29,25 @@ import psutil
 
 import jaxdist
 from jaxdist.core import artifacts, codec, devices, heap, kernels
-from jaxdist.core.errors import ArtifactError, JaxdistError, LimitError, SessionError
+from jaxdist.core.errors import ArtifactError, JaxdistError, LimitError, TransportError
 from jaxdist.core.runtime import StageRuntime, remote_error
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.spec import SPEC_VERSION, StageSpec, validate
 from jaxdist.core.stage import WorkerStage
 from jaxdist.core.store import LocalStore
 from jaxdist.core.transport import status, wire
-from jaxdist.core.transport.frames import FrameAssembler, FrameView, header_of
+from jaxdist.core.transport.frames import FrameView
 from jaxdist.core.transport.security import ClientAuth
 from jaxdist.core.weights import WeightCache
+from jaxdist.core.weights.uri import clip
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 from jaxdist.worker.health import WorkerHealth
-from jaxdist.worker.limits import MAX_ID_BYTES, FrameBudget, check_ids, default_max_kv_bytes
+from jaxdist.worker.ingress import FrameIngress
+from jaxdist.worker.limits import MAX_ID_BYTES, check_ids, default_max_kv_bytes
+from jaxdist.worker.loads import CallerLeft, Load, Loads
 from jaxdist.worker.runtime import HEARTBEAT, GrpcRoute, Hub, PeerPool, Subscription
+from jaxdist.worker.tcp_route import TcpRoute
 
 __all__ = ["WorkerConfig", "WorkerServicer"]
 
@@ -51,6 +56,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEARTBEAT_S = 0.5
+# LoadStage calls that load at once; more wait for a thread (each compiles and binds a stage).
+LOAD_THREADS = 8
 
 
 @dataclass
@@ -82,6 +89,11 @@ class WorkerConfig:
     kernel_threads: int = 0                           # threads per kernel call; 0: XLA's pool
 
 
+def _route_kind(runtime: StageRuntime) -> str:
+    """How a stage's frames leave: "tcp" or "grpc" (``LoadedStage.route``)."""
+    return "tcp" if isinstance(runtime.route, TcpRoute) else "grpc"
+
+
 def _failure(exc: BaseException, context: grpc.ServicerContext | grpc.aio.ServicerContext,
              method: str) -> grpc.StatusCode:
     """The status code a failed call ends with, and its error class as trailing metadata (the
@@ -104,7 +116,8 @@ def _rpc(method: Callable[..., T]) -> Callable[..., T]:
                 request = wire.parse_request(request_class, request)
             return method(self, request, context)
         except Exception as exc:
-            context.abort(_failure(exc, context, method.__name__), str(exc))
+            # Clipped: gRPC carries the message in a header, which the client bounds (8 KiB).
+            context.abort(_failure(exc, context, method.__name__), clip(str(exc), 4000))
             raise  # unreachable: abort raises
 
     return wrapper
@@ -116,6 +129,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, config: WorkerConfig, *, address: str = "") -> None:
         self.config = config
         self.address = address
+        self.data_port = 0  # the data port (worker/data_listener.py), set by server.py; 0: off
         self.started = time.monotonic()
         self.cache = WeightCache(config.weights_roots)
         self.registry = LocalStore(config.artifact_cache)
@@ -147,6 +161,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # Waits for device results and compiles new shapes, off the data-plane loop.
         self._egress_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="egress")
+        # LoadStage's work; the call itself waits on the loop, to learn if its caller leaves.
+        self.loads = Loads()
+        self._load_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=LOAD_THREADS, thread_name_prefix="load")
 
     def _kv_limit(self) -> int:
         """``max_kv_bytes``, or by default half the memory behind this worker's device."""
@@ -187,7 +205,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             max_serialization_version=artifacts.max_serialization_version(),
             kernels=pb.KernelInfo(version=self.kernels.version, types=self.kernels.types,
                                   targets=self.kernels.targets, threads=self.kernels.threads,
-                                  unavailable_reason=self.kernels.reason))
+                                  unavailable_reason=self.kernels.reason),
+            loading=self.loads.to_proto(), data_port=self.data_port)
         for d in self._offered:
             desc = devices.describe_device(d, self._offered)
             reply.devices.add(platform=desc["platform"], index=desc["index"], kind=desc["kind"],
@@ -203,7 +222,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              dequantized_types=rt.stage.dequantized_types,
                              frames=rt.frames_done, compute_seconds=rt.compute_s,
                              bytes_in=rt.bytes_in, bytes_out=rt.bytes_out,
-                             in_flight=rt.in_flight,
+                             in_flight=rt.in_flight, route=_route_kind(rt),
                              threaded_shapes=["x".join(str(s) for s in shapes)
                                               for shapes in rt.threaded_shapes])
         return reply
@@ -242,9 +261,47 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.registry.put(data)
         return pb.UploadReply(digest=digest, stored=stored, size=len(data))
 
-    @_rpc
-    def LoadStage(self, request: pb.LoadStageRequest, context: grpc.ServicerContext
-                  ) -> pb.LoadStageReply:
+    async def LoadStage(self, request: bytes, context: grpc.aio.ServicerContext
+                        ) -> pb.LoadStageReply:
+        """Load a stage in a thread of the load pool, while the call waits on the loop.
+
+        A coroutine so that it learns when its caller leaves (cancelled, past its deadline, or
+        the server stopping): gRPC cancels it then, and the load is abandoned (see
+        ``worker/loads.py``). ``request`` is a ``LoadStageRequest``'s bytes, read in the thread.
+        """
+        load = Load()
+        self.loads.add(load)
+        future = asyncio.get_running_loop().run_in_executor(self._load_pool, self._load_stage,
+                                                            request, load)
+        # An abandoned load's outcome has no reader; taking it here keeps asyncio quiet.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            reply = await asyncio.shield(future)
+            if reply is None:  # abandoned while the call was still there: the worker stops
+                raise TransportError(f"worker {self.address}: LoadStage of stage "
+                                     f"{load.stage_id} was abandoned ({load.why}); it is not "
+                                     f"loaded")
+            return reply
+        except asyncio.CancelledError:
+            load.leave("the caller left (cancelled, or past its deadline)")
+            raise
+        except Exception as exc:
+            await context.abort(_failure(exc, context, "LoadStage"), str(exc))
+            raise  # unreachable: abort raises
+
+    def _load_stage(self, data: bytes, load: Load) -> pb.LoadStageReply | None:
+        """LoadStage's work, in a load thread; ``load`` records each phase for ``Info``.
+        ``None``: the load was abandoned, and nothing of it is kept."""
+        try:
+            return self._load(wire.parse_request(pb.LoadStageRequest, data), load)
+        except CallerLeft as skipped:
+            log.warning("LoadStage of stage %s: %s; it stopped before %s and is not loaded",
+                        load.stage_id or "?", load.why, skipped)
+            return None
+        finally:
+            self.loads.remove(load)
+
+    def _load(self, request: pb.LoadStageRequest, load: Load) -> pb.LoadStageReply | None:
         spec = StageSpec.from_proto(request.spec)
         check_ids("LoadStage", self.config.max_id_bytes, pipeline_id=request.pipeline_id,
                   stage_id=spec.stage_id, model=spec.model)
@@ -256,12 +313,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         pipeline_id = request.pipeline_id or spec.stage_id.split("/")[0] or "default"
         key = (pipeline_id, spec.stage_index)
         stage_id = spec.stage_id or f"{pipeline_id}/{spec.stage_index}"
+        load.describe(stage_id, pipeline_id, spec.stage_index)
         with self._lock:
             old = self._stages.get(key)
         if old is not None and old.spec.replace(artifact=None) == spec.replace(artifact=None):
             return pb.LoadStageReply(stage_id=stage_id, already_loaded=True,
                                      weight_bytes=old.stage.weight_bytes,
                                      device=str(old.stage.device))
+        load.enter("load")
         if spec.artifact is not None:
             data = spec.artifact
             if len(data) > self.config.max_artifact_bytes:
@@ -280,22 +339,42 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             stage = WorkerStage.load(spec.replace(artifact=None), artifact=data,
                                      cache=self.cache,
                                      allowed_custom_calls=self.config.allowed_custom_calls,
-                                     devices=self._offered, worker=self.address)
+                                     devices=self._offered, worker=self.address,
+                                     on_phase=load.enter)
         finally:  # the weight files' maps and parsed headers are not needed between binds
             self.cache.drop_readers()
-        route = GrpcRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub, peers=self.peers,
-                          address=self.address)
+        load.finish()
+        route: GrpcRoute | TcpRoute
+        if stage.spec.next_data_hop:
+            route = TcpRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub,
+                             auth=self.config.peer_auth, address=self.address)
+        else:
+            route = GrpcRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub,
+                              peers=self.peers, address=self.address)
+        log.info("stage %s sends its frames over %s to %s", stage_id, route.kind,
+                 stage.spec.next_data_hop or stage.spec.next_hop or "its callers")
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
                                sessions=self.sessions, route=route, pool=self._egress_pool,
                                max_compiled_shapes=self.config.max_compiled_shapes)
         with self._lock:
-            old = self._stages.pop(key, None)
-            self._stages[key] = runtime
+            if load.left:  # it finished after its caller left: nobody would use or unload it
+                discard = True
+            else:
+                discard = False
+                old = self._stages.pop(key, None)
+                self._stages[key] = runtime
+        if discard:
+            runtime.stop()
+            del stage, runtime
+            heap.release_free_heap()
+            log.warning("LoadStage of stage %s: %s while it loaded; it finished anyway and is "
+                        "discarded, not loaded", stage_id, load.why)
+            return None
         if old is not None:
             old.stop()
         return pb.LoadStageReply(stage_id=stage_id, already_loaded=False, bind_s=stage.bind_seconds,
                                  compile_s=stage.compile_seconds, weight_bytes=stage.weight_bytes,
-                                 device=str(stage.device))
+                                 device=str(stage.device), load_s=load.seconds.get("load", 0.0))
 
     @_rpc
     def UnloadStage(self, request: pb.UnloadStageRequest, context: grpc.ServicerContext
@@ -340,7 +419,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     # -- data plane -------------------------------------------------------------------------
     # Push and Subscribe are coroutines: they run on the data-plane event loop (server.py),
     # where the stages run and the next hops are written. The control calls above are plain
-    # functions and run in the server's thread pool.
+    # functions and run in the server's thread pool, except LoadStage, which waits on the loop
+    # for its load thread.
 
     async def Push(self, request_iterator: AsyncIterator[FrameView],
                    context: grpc.aio.ServicerContext) -> pb.PushAck:
@@ -356,42 +436,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _push(self, request_iterator: AsyncIterator[FrameView],
                     context: grpc.aio.ServicerContext) -> pb.PushAck:
-        cfg = self.config
-        # A tensor is refused on its declared size before it is allocated; the budget counts
-        # the whole frame's bytes and tensors as they arrive.
-        asm = FrameAssembler(max_bytes=min(cfg.max_frame_tensor_bytes, cfg.max_frame_bytes),
-                             max_tensors=cfg.max_tensors_per_frame)
-        budget = FrameBudget(cfg.max_frame_bytes, cfg.max_tensors_per_frame)
-        count = 0
+        ingress = FrameIngress(self)
         async for msg in request_iterator:
-            count += 1
-            header = header_of(msg.msg)
-            runtime = self._stages.get((header.pipeline_id, header.stage))
-            try:
-                if self._draining.is_set():
-                    raise SessionError(f"worker {self.address} is shutting down; frame of "
-                                       f"session {header.session_id!r} refused")
-                check_ids("frame", cfg.max_id_bytes, pipeline_id=header.pipeline_id,
-                          session_id=header.session_id, reply_to=header.reply_to)
-                if runtime is None:
-                    raise SessionError(f"unknown stage: pipeline {header.pipeline_id!r} stage "
-                                       f"{header.stage} is not loaded on worker {self.address}")
-                budget.add(msg.chunks, header)
-                done = asm.add(msg, header)
-                if done is None:
-                    continue
-                budget.reset()
-                header, tensors = done
-                tensors, shapes = runtime.accept(header, tensors)
-            except Exception as exc:  # noqa: BLE001 - a bad frame is reported, not fatal
-                asm.reset()
-                budget.reset()
-                await self._report(header, exc)
-                continue
-            await runtime.process(header, tensors, shapes)
-        return pb.PushAck(frames=count)
+            await ingress.take(msg)
+        return pb.PushAck(frames=ingress.messages)
 
-    async def _report(self, header: Any, exc: BaseException) -> None:
+    def runtime_for(self, pipeline_id: str, stage: int) -> StageRuntime | None:
+        """The loaded stage a frame is for, if any (on the loop, per frame: no lock)."""
+        return self._stages.get((pipeline_id, stage))
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: new frames are refused."""
+        return self._draining.is_set()
+
+    async def report(self, header: Any, exc: BaseException) -> None:
+        """Tell a frame's caller it was refused (on its subscription), and log it."""
         err = remote_error(exc, stage=header.stage, address=self.address)
         log.info("rejected frame of session %r step %d: %s", header.session_id[:64], header.step,
                  exc)
@@ -451,6 +511,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def close(self) -> None:
         self._reaper_stop.set()
+        self.loads.leave_all("the worker is stopping")  # first: none is loaded after this
         with self._lock:
             runtimes = list(self._stages.values())
             self._stages.clear()
@@ -459,4 +520,5 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.hub.shutdown()
         self.peers.close()
         self._egress_pool.shutdown(wait=False)
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
         self.cache.close()

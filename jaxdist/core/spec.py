@@ -239,6 +239,9 @@ class StageSpec:
     control: tuple[str, ...] = ()
     """Inputs read from each frame's step-control header (:mod:`jaxdist.core.control`), not
     from its tensors; empty for a stage exported before the header existed."""
+    next_data_hop: str = ""
+    """``HOST:PORT`` of the next stage's worker's data port (frames over a TCP connection,
+    :mod:`jaxdist.core.transport.stream`); empty: over gRPC to ``next_hop``."""
 
     @property
     def weight_bytes(self) -> int:
@@ -263,7 +266,7 @@ class StageSpec:
             weights=[w.to_proto() for w in self.weights], device=self.device,
             next_hop=self.next_hop, buckets=[b.to_proto() for b in self.buckets],
             versions=self.versions.to_proto(), platforms=list(self.platforms),
-            stage_id=self.stage_id, control=list(self.control))
+            stage_id=self.stage_id, control=list(self.control), next_data_hop=self.next_data_hop)
 
     @classmethod
     def from_proto(cls, msg: pb.StageSpec) -> StageSpec:
@@ -277,7 +280,8 @@ class StageSpec:
             next_hop=msg.next_hop, buckets=tuple(ShapeBucket.from_proto(b) for b in msg.buckets),
             platforms=tuple(msg.platforms), versions=Versions.from_proto(msg.versions),
             model=msg.model, stage_id=msg.stage_id, artifact=msg.artifact or None,
-            spec_version=msg.spec_version, control=tuple(msg.control))
+            spec_version=msg.spec_version, control=tuple(msg.control),
+            next_data_hop=msg.next_data_hop)
 
     def serialize(self) -> bytes:
         """Wire bytes. Deterministic: a bucket's map entries are written sorted by key (upb's
@@ -365,6 +369,10 @@ def validate(spec: StageSpec) -> None:
         raise _fail("next_hop", f"expected HOST:PORT, found {spec.next_hop!r}")
     if spec.next_hop and spec.stage_index == spec.num_stages - 1:
         raise _fail("next_hop", "the last stage returns to the coordinator; next_hop must be empty")
+    if spec.next_data_hop and not _HOSTPORT.fullmatch(spec.next_data_hop):
+        raise _fail("next_data_hop", f"expected HOST:PORT, found {_clip(spec.next_data_hop)}")
+    if spec.next_data_hop and not spec.next_hop:
+        raise _fail("next_data_hop", "a data port is the next hop's: next_hop must be set too")
     try:
         parse_directive(spec.device)
     except DeviceError as exc:

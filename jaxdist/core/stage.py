@@ -22,9 +22,10 @@ Example:
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from jaxdist.core import codec, kernels
 from jaxdist.core.artifacts import DEFAULT_CUSTOM_CALL_ALLOWLIST, custom_call_targets, load_artifact
 from jaxdist.core.devices import device_platform, resolve_device
 from jaxdist.core.dims import Dim, evaluate, is_symbol, symbols_of
-from jaxdist.core.errors import SpecError
+from jaxdist.core.errors import ArtifactError, SpecError
 from jaxdist.core.heap import release_free_heap
 from jaxdist.core.spec import ShapeBucket, StageSpec, TensorSig, validate
 from jaxdist.core.weights import WeightCache
@@ -152,6 +153,7 @@ class WorkerStage:
         devices: Sequence[Any] | None = None,
         compile_buckets: bool = True,
         worker: str = "",
+        on_phase: Callable[[str, int, int], None] | None = None,
     ) -> WorkerStage:
         """Check, compile and bind a stage: :meth:`prepare`, :meth:`compile` every bucket, then
         :meth:`bind`.
@@ -168,6 +170,10 @@ class WorkerStage:
             devices: restrict device resolution to these (tests pass fakes); default: all.
             compile_buckets: compile every shape bucket now (ahead of time).
             worker: this worker's address, for error messages.
+            on_phase: ``on_phase(phase, done, total)`` is called as each step starts:
+                ``("load", 0, 0)``, ``("compile", i, n)`` before bucket ``i`` of ``n``, and
+                ``("bind", 0, 0)``. An exception it raises ends the load there: nothing after
+                it runs (the worker stops a load whose caller left this way).
 
         Raises:
             SpecError: the spec is malformed or disagrees with the artifact's signature.
@@ -175,11 +181,18 @@ class WorkerStage:
             DeviceError: the device directive cannot be honoured here.
             WeightError: a weight cannot be resolved or does not match its WeightRef.
         """
+        phase = on_phase or (lambda _phase, _done, _total: None)
+        phase("load", 0, 0)
         stage = cls.prepare(spec, artifact=artifact, allowed_custom_calls=allowed_custom_calls,
                             devices=devices, worker=worker)
         if compile_buckets:
-            for bucket in spec.buckets:
+            # A stage of one static shape is compiled now too, so that whatever its first frame
+            # would fail to compile (a custom call no handler serves) fails the load instead.
+            buckets: list[Any] = list(spec.buckets) or ([{}] if _static(spec) else [])
+            for i, bucket in enumerate(buckets):
+                phase("compile", i, len(buckets))
                 stage.compile(bucket)
+        phase("bind", 0, 0)
         stage.bind(cache)
         return stage
 
@@ -311,7 +324,16 @@ class WorkerStage:
             if shapes in self._compiled:
                 return 0.0
             t0 = time.perf_counter()
-            self._compiled[shapes] = self._jitted.lower(*self._arg_specs(shapes)).compile()
+            try:
+                self._compiled[shapes] = self._jitted.lower(*self._arg_specs(shapes)).compile()
+            except Exception as exc:
+                m = _NO_HANDLER.search(str(exc))
+                if m is None:
+                    raise
+                raise ArtifactError(
+                    f"stage {self.spec.stage_index}: custom call {m.group(1)!r} is allowed but "
+                    f"no handler for it is registered on this worker "
+                    f"({device_platform(self.device)}); it cannot run here") from None
             took = time.perf_counter() - t0
             self.compile_seconds += took
         release_free_heap()  # the compiler's transient heap, hundreds of MB for a large stage
@@ -422,3 +444,15 @@ class WorkerStage:
     def weight_bytes(self) -> int:
         """Bytes of weights bound on the device (a tensor shared by two params counts once)."""
         return sum(p.nbytes for p in {id(p): p for p in self._params}.values())
+
+
+_NO_HANDLER = re.compile(r"No (?:FFI handler|registered implementation for custom call)"
+                         r"(?: registered)? (?:for|to) ([\w.$-]+)")
+
+
+def _static(spec: StageSpec) -> bool:
+    """Whether every input dim of ``spec`` is a number (no symbol to bind)."""
+    try:
+        return all(evaluate(d, {}) >= 0 for sig in spec.inputs for d in sig.dims)
+    except (KeyError, ValueError):
+        return False

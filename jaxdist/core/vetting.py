@@ -72,7 +72,7 @@ from jax.extend.mlir.dialects import stablehlo as _stablehlo
 from jaxdist.core.errors import ArtifactError
 
 __all__ = [
-    "DEFAULT_CUSTOM_CALL_ALLOWLIST", "EXPORT_PLATFORMS", "MIN_SERIALIZATION_VERSION",
+    "DEFAULT_CUSTOM_CALL_ALLOWLIST", "EXPORT_PLATFORMS", "LINALG_TARGETS", "MIN_SERIALIZATION_VERSION",
     "MAX_SERIALIZATION_VERSION", "min_serialization_version", "max_serialization_version",
     "digest_of", "load_artifact", "custom_call_targets",
 ]
@@ -108,28 +108,30 @@ def max_serialization_version() -> int:
 DEFAULT_CUSTOM_CALL_ALLOWLIST: frozenset[str] = frozenset({
     # Emitted by any export with symbolic dims: checks the actual shapes against the spec.
     "shape_assertion",
-    # Sharding annotations (jit shardings, shard_map) and memory placement (device_put to host).
-    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement",
-    "AllocateBuffer",  # lax.empty
-    # Shape-polymorphic forms of ordinary ops (top_k, reduce_window, rng_bit_generator).
-    "stablehlo.dynamic_top_k", "stablehlo.dynamic_approx_top_k",
-    "stablehlo.dynamic_reduce_window", "stablehlo.dynamic_rng_bit_generator",
-    # cpu: jnp.linalg (cholesky, qr, eigh, svd, lu, solve, triangular_solve, ...).
-    "lapack_*_ffi",
-    # cuda / rocm: jnp.linalg, and threefry when it is not partitionable.
-    "cusolver_*_ffi", "cusparse_gtsv2_ffi", "cu_lu_pivots_to_permutation", "cu_threefry2x32_ffi",
-    "hipsolver_*_ffi", "hip_lu_pivots_to_permutation", "hip_threefry2x32_ffi",
-    # tpu: jnp.linalg and lax.approx_max_k.
-    "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition", "ApproxTopK",
 })
-"""Custom call targets a worker accepts by default (``fnmatch`` patterns).
+"""Custom call targets a worker accepts by default (``fnmatch`` patterns): only what the
+project's own stages need, besides jaxdist's own kernels (:data:`jaxdist.core.kernels.OWN_TARGETS`,
+which check every buffer against its declared type).
 
-Measured with jax 0.10.2 by exporting matmul, softmax, argmax, top_k, sort, cumsum, jax.random
-(threefry), approx_max_k, device_put to host and jnp.linalg for cpu, cuda, rocm and tpu. Every name
-is on jax's own list of targets with a compatibility guarantee. Left out on purpose, though jax
-guarantees them: Pallas/Triton kernels (``tpu_custom_call``, ``mosaic_gpu_v2``) carry arbitrary
-user code, and ``tf.call_tf_function`` needs TensorFlow; pass ``allowed_custom_calls`` to accept
-them. (cuBLAS and cuDNN calls appear only when XLA compiles, never in an exported module.)
+Measured with jax 0.10.2 by exporting every exporter's stages (Llama-family and GPT-2, GGUF
+quantized and float, BERT) for cpu, cuda and tpu: ``shape_assertion`` is the only other target.
+Everything else is denied, though jax guarantees many targets: a custom call runs native code on
+buffers whose sizes XLA does not check, and the linear-algebra handlers (``lapack_*``,
+``cusolver_*``, ...) size what they write from the operand, not from the declared result, so an
+artifact that declares a smaller result overflows the heap (a 1.4 KB artifact calling
+``lapack_sgetrf_ffi`` on a 512 x 512 operand with a 1 x 1 result crashed a worker when they were
+allowed). An operator allows more with the worker's ``--allow-custom-call PATTERN``; see
+:data:`LINALG_TARGETS` for what is still checked then.
+"""
+
+LINALG_TARGETS: tuple[str, ...] = ("lapack_*", "cusolver_*", "hipsolver_*")
+"""Linear-algebra targets (``fnmatch`` patterns) that do not check their buffers' types.
+
+When an operator allows one, each of its calls must alias an output to an operand
+(``output_operand_aliases``, as every jax lowering of them does) with exactly the operand's type.
+That refuses the overflow above. It cannot prove the other results (pivots, info, singular
+values) large enough, which depends on each routine: allowing these targets trusts the
+artifacts' authors. ``SECURITY.md`` says so.
 """
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -301,7 +303,13 @@ def custom_call_targets(exported: jexport.Exported) -> set[str]:
     Raises:
         ArtifactError: the module cannot be parsed, or a custom call has no target name.
     """
-    targets: set[str] = set()
+    return set(_custom_calls(exported))
+
+
+def _custom_calls(exported: jexport.Exported) -> dict[str, list[str]]:
+    """Every custom call target, with the problems of its calls' operand/result aliasing (for
+    :data:`LINALG_TARGETS` only; see :func:`_alias_problem`)."""
+    targets: dict[str, list[str]] = {}
     unnamed: list[str] = []
 
     def visit(op: ir.Operation) -> ir.WalkResult:
@@ -309,7 +317,11 @@ def custom_call_targets(exported: jexport.Exported) -> set[str]:
         if op.name == "stablehlo.custom_call":
             name = op.attributes.get("call_target_name")
             if isinstance(name, ir.StringAttr):
-                targets.add(name.value)
+                problems = targets.setdefault(name.value, [])
+                if any(fnmatch.fnmatchcase(name.value, p) for p in LINALG_TARGETS):
+                    problem = _alias_problem(op)
+                    if problem:
+                        problems.append(f"{problem} (at {op.location})")
             else:
                 unnamed.append(str(op.location))
         return ir.WalkResult.ADVANCE
@@ -330,6 +342,30 @@ def custom_call_targets(exported: jexport.Exported) -> set[str]:
             f"{exported.fun_name!r} have no string call_target_name, e.g. at {unnamed[0]}"
         )
     return targets
+
+
+_ALIAS_RE = re.compile(r"output_tuple_indices = \[([0-9, ]*)\], operand_index = (\d+), "
+                       r"operand_tuple_indices = \[\]")
+
+
+def _alias_problem(op: ir.Operation) -> str:
+    """Why a linear-algebra custom call's buffers are unsafe, or ``""``: it must alias an
+    output to an operand, each alias joining two values of exactly the same type."""
+    attr = op.attributes["output_operand_aliases"] if "output_operand_aliases" in op.attributes \
+        else None
+    aliases = _ALIAS_RE.findall(str(attr)) if attr is not None else []
+    if not aliases:
+        return "it aliases no output to an operand, as jax's lowering always does"
+    operands, results = list(op.operands), list(op.results)
+    for out_text, operand_text in aliases:
+        out = [int(i) for i in out_text.replace(" ", "").split(",") if i]
+        k, r = int(operand_text), (out[0] if out else 0)
+        if len(out) > 1 or k >= len(operands) or r >= len(results):
+            return f"an output_operand_alias ({out}, operand {k}) names no such value"
+        if str(operands[k].type) != str(results[r].type):
+            return (f"output {r} ({results[r].type}) is aliased to operand {k} "
+                    f"({operands[k].type}) of another type")
+    return ""
 
 
 def load_artifact(
@@ -405,12 +441,17 @@ def load_artifact(
         if wanted not in exported.platforms:
             logger.info("running portable artifact (lowered for %s) on %s",
                         exported.platforms, wanted)
-    for target in sorted(custom_call_targets(exported)):
+    calls = _custom_calls(exported)
+    for target in sorted(calls):
         if not any(fnmatch.fnmatchcase(target, pattern) for pattern in allowed_custom_calls):
             raise ArtifactError(
                 f"artifact {exported.fun_name!r} uses custom call {target!r}, which is not on "
                 "the allowlist of custom call targets. If you trust it, extend the allowlist: "
                 "pass allowed_custom_calls=DEFAULT_CUSTOM_CALL_ALLOWLIST | {" + repr(target) + "}"
-                " to load_artifact (the worker's custom call allowlist option)"
+                " to load_artifact (the worker's --allow-custom-call " + repr(target) + ")"
             )
+        if calls[target]:
+            raise ArtifactError(
+                f"artifact {exported.fun_name!r}: custom call {target!r} does not check its "
+                f"buffers, and {calls[target][0]}; refused, as it could write past a buffer")
     return exported

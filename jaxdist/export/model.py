@@ -27,6 +27,7 @@ from jaxdist.core import codec, quant
 from jaxdist.core.control import check_control
 from jaxdist.core.errors import SpecError
 from jaxdist.core.spec import WeightRef
+from jaxdist.core.weights.uri import relocate_uri
 
 __all__ = ["Model", "Param", "Unit", "UnitFn"]
 
@@ -206,3 +207,23 @@ class Model:
     @property
     def weight_bytes(self) -> int:
         return sum(u.weight_bytes for u in self.units)
+
+    def relocated(self, old: str, new: str) -> Model:
+        """The same model with its weights read from ``new`` where they were under ``old``.
+
+        For a model traced from a local copy that the workers keep at another path (relative
+        to their weights root, or absolute under one); ``jaxdist generate --model-path``.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jaxdist import Model, Param, Unit
+            >>> m = Model("m", [Unit("l0", lambda p, s, c: ({"x": c["x"] @ p["w"]}, {}),
+            ...                      {"w": Param("gguf://m.gguf#w", (2, 2))})],
+            ...           {"x": ("b,2", "float32")})
+            >>> m.relocated("m.gguf", "models/m.gguf").units[0].params["w"].uri
+            'gguf://models/m.gguf#w'
+        """
+        units = [dataclasses.replace(u, params={
+            k: dataclasses.replace(p, uri=relocate_uri(p.uri, old, new))
+            for k, p in u.params.items()}) for u in self.units]
+        return dataclasses.replace(self, units=units)

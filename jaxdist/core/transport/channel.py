@@ -54,6 +54,11 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
 SERVER_OPTIONS: list[tuple[str, int]] = GRPC_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.so_reuseport", 0),
+    # Before authentication nothing is held for long: a connection that has not finished its
+    # HTTP/2 (and TLS) handshake within 5 s is closed (gRPC's default: 120 s), and the
+    # connections held at once are bounded (jaxdist.worker.server sets the bound from the
+    # worker's file descriptor limit), so idle sockets cannot take every descriptor.
+    ("grpc.server_handshake_timeout_ms", 5000),
 ]
 
 

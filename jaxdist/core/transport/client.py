@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -17,7 +17,7 @@ from jaxdist.core.transport.channel import FrameSender, make_channel
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 
-__all__ = ["WorkerClient", "raise_for_rpc"]
+__all__ = ["Call", "WorkerClient", "raise_for_rpc"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,33 @@ def raise_for_rpc(exc: grpc.RpcError, address: str, what: str) -> JaxdistError:
                 grpc.StatusCode.UNAUTHENTICATED):
         details = f"{code.name}: {details}"
     return cls(f"worker {address}: {what}: {details}")
+
+
+class Call(Generic[T]):
+    """A unary call in flight, which another thread may cancel (Ctrl-C during a compile).
+
+    :meth:`result` waits and raises jaxdist errors, as the blocking calls do; a cancelled call
+    raises :class:`TransportError`. The worker sees the cancellation at once (a ``LoadStage``
+    then abandons its load: ``worker/loads.py``).
+    """
+
+    def __init__(self, client: WorkerClient, what: str, future: Any) -> None:
+        self._client = client
+        self._what = what
+        self._future = future
+
+    def result(self) -> T:
+        try:
+            return self._future.result()
+        except grpc.FutureCancelledError:
+            raise TransportError(f"worker {self._client.address}: {self._what}: cancelled"
+                                 ) from None
+        except grpc.RpcError as exc:
+            raise self._client._error(exc, self._what) from None
+
+    def cancel(self) -> bool:
+        """Cancel the call, unless it has finished. True when it was cancelled."""
+        return bool(self._future.cancel())
 
 
 class WorkerClient:
@@ -69,11 +96,18 @@ class WorkerClient:
         try:
             return fn(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as exc:
-            error = raise_for_rpc(exc, self.address, what)
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                hint = security.connection_hint(exc.details() or "", tls=self.tls)
-                error = type(error)(f"{error}{hint}")
-            raise error from None
+            raise self._error(exc, what) from None
+
+    def _start(self, what: str, fn: Any, request: Any, timeout: float | None = None) -> Call[Any]:
+        return Call(self, what, fn.future(request, timeout=timeout or self.timeout,
+                                          metadata=self.metadata))
+
+    def _error(self, exc: grpc.RpcError, what: str) -> JaxdistError:
+        error = raise_for_rpc(exc, self.address, what)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            hint = security.connection_hint(exc.details() or "", tls=self.tls)
+            error = type(error)(f"{error}{hint}")
+        return error
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Wait until the worker's channel is connected, at most ``timeout`` seconds.
@@ -121,21 +155,32 @@ class WorkerClient:
                           pb.ArtifactQuery(digest=digest)).present
 
     def upload_artifact(self, digest: str, data: bytes, timeout: float = 300.0) -> pb.UploadReply:
+        return self.start_upload_artifact(digest, data, timeout).result()
+
+    def start_upload_artifact(self, digest: str, data: bytes, timeout: float = 300.0
+                              ) -> Call[pb.UploadReply]:
+        """:meth:`upload_artifact`, as a call that can be cancelled."""
         def chunks() -> Iterator[pb.ArtifactChunk]:
             for off in range(0, max(len(data), 1), UPLOAD_CHUNK):
                 yield pb.ArtifactChunk(digest=digest, data=data[off:off + UPLOAD_CHUNK],
                                        total_bytes=len(data))
-        return self._call("UploadArtifact", self.stub.UploadArtifact, chunks(), timeout)
+        return self._start("UploadArtifact", self.stub.UploadArtifact, chunks(), timeout)
 
     def load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0
                    ) -> pb.LoadStageReply:
-        return self._call(f"LoadStage (stage {spec.stage_index})", self.stub.LoadStage,
-                          pb.LoadStageRequest(spec=spec.to_proto(), pipeline_id=pipeline_id),
-                          timeout)
+        return self.start_load_stage(spec, pipeline_id, timeout).result()
 
-    def unload_stage(self, stage_id: str) -> bool:
+    def start_load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0
+                         ) -> Call[pb.LoadStageReply]:
+        """:meth:`load_stage`, as a call that can be cancelled. While it runs, the worker's
+        ``Info`` lists it under ``loading`` with its phase."""
+        return self._start(f"LoadStage (stage {spec.stage_index})", self.stub.LoadStage,
+                           pb.LoadStageRequest(spec=spec.to_proto(), pipeline_id=pipeline_id),
+                           timeout)
+
+    def unload_stage(self, stage_id: str, timeout: float | None = None) -> bool:
         return self._call("UnloadStage", self.stub.UnloadStage,
-                          pb.UnloadStageRequest(stage_id=stage_id)).unloaded
+                          pb.UnloadStageRequest(stage_id=stage_id), timeout).unloaded
 
     def describe_weights(self, path: str) -> tuple[list[pb.WeightInfo], dict[str, Any]]:
         reply = self._call(f"DescribeWeights({path})", self.stub.DescribeWeights,

@@ -39,8 +39,9 @@ from grpc_health.v1 import health_pb2
 
 from jaxdist.core.errors import AuthError
 
-__all__ = ["TOKENLESS_METHODS", "ClientAuth", "ServerAuth", "TokenInterceptor", "client_auth",
-           "connection_hint", "exposure_warning", "is_loopback", "read_token", "server_auth"]
+__all__ = ["TOKENLESS_METHODS", "ClientAuth", "RefusalLog", "ServerAuth", "TokenInterceptor",
+           "client_auth", "connection_hint", "exposure_warning", "is_loopback", "read_token",
+           "server_auth"]
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,10 @@ class ClientAuth:
 
     metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     credentials: grpc.ChannelCredentials | None = None  # None: plaintext
+    # The same token and TLS for a worker's data connections (transport/stream.py): the token
+    # keys the proof and is never sent; the context is TLS from the same files.
+    hmac_key: bytes | None = field(default=None, repr=False)
+    ssl_context: ssl.SSLContext | None = None  # None: plaintext
 
     @property
     def has_token(self) -> bool:
@@ -234,15 +239,23 @@ def client_auth(*, token_file: PathLike | None = None, tls_cert: PathLike | None
     """
     token_file = _path(token_file)
     metadata: tuple[tuple[str, str], ...] = ()
+    key = None
     if token_file:
-        metadata = ((AUTH_HEADER, f"Bearer {read_token(token_file)}"),)
+        token = read_token(token_file)
+        metadata = ((AUTH_HEADER, f"Bearer {token}"),)
+        key = token.encode("ascii")
     files = _read_tls(tls_cert, tls_key, tls_ca)
-    credentials = None
+    credentials = context = None
     if files.cert or files.ca:
         credentials = grpc.ssl_channel_credentials(root_certificates=files.ca,
                                                    private_key=files.key,
                                                    certificate_chain=files.cert)
-    return ClientAuth(metadata=metadata, credentials=credentials)
+        # Verifies the server's certificate and its name, as gRPC does.
+        context = ssl.create_default_context(cafile=_path(tls_ca))
+        if tls_cert and tls_key:
+            context.load_cert_chain(os.fspath(tls_cert), os.fspath(tls_key))
+    return ClientAuth(metadata=metadata, credentials=credentials, hmac_key=key,
+                      ssl_context=context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,6 +274,39 @@ def _refusal(message: str) -> grpc.RpcMethodHandler:
     return grpc.stream_unary_rpc_method_handler(refuse)
 
 
+class RefusalLog:
+    """Log lines for refused callers: at most one per kind of refusal per interval (a caller
+    retrying in a loop must not flood the log), then a count of those left out.
+
+    What was refused is escaped and clipped: it may be the caller's text (a method path), and a
+    newline in it must not forge a log line.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._interval = interval
+        self._clock = clock
+        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged, suppressed)
+
+    def refused(self, what: str, kind: str, detail: str = "") -> None:
+        """Log that ``what`` was refused for a reason of ``kind`` (the key of the rate limit),
+        with an optional ``detail`` (escaped and clipped like ``what``)."""
+        now = self._clock()
+        last, suppressed = self._logged.get(kind, (float("-inf"), 0))
+        if now - last < self._interval:
+            self._logged[kind] = (last, suppressed + 1)
+            return
+        self._logged[kind] = (now, 0)
+        more = f" ({suppressed} more refused since the last line)" if suppressed else ""
+        told = f" ({_clipped(detail, 300)})" if detail else ""
+        self._log.warning("refused %s: %s%s%s", _clipped(what, 100), kind, told, more)
+
+
+def _clipped(text: str, limit: int) -> str:
+    return ascii(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``.
 
@@ -273,22 +319,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, token: str, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._expected = f"Bearer {token}".encode("ascii")
-        self._clock = clock
-        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged, suppressed)
+        self._refusals = RefusalLog(log, self.LOG_INTERVAL_S, clock=clock)
 
     def _log_refusal(self, method: str, kind: str) -> None:
-        """Log a refusal, at most once per kind per interval (a caller retrying in a loop must
-        not flood the log), with the method escaped and clipped: it is the caller's text, and a
-        newline in it must not forge a log line."""
-        now = self._clock()
-        last, suppressed = self._logged.get(kind, (float("-inf"), 0))
-        if now - last < self.LOG_INTERVAL_S:
-            self._logged[kind] = (last, suppressed + 1)
-            return
-        self._logged[kind] = (now, 0)
-        shown = ascii(method[:100]) + ("..." if len(method) > 100 else "")
-        more = f" ({suppressed} more refused since the last line)" if suppressed else ""
-        log.warning("refused %s: %s%s", shown, kind, more)
+        self._refusals.refused(method, kind)
 
     def check(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         """``None`` when the metadata carries the token, else why the call is refused."""
@@ -333,6 +367,11 @@ class ServerAuth:
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
     token: bool = False
     mutual_tls: bool = False
+    # The same token and TLS for the worker's data port (transport/stream.py): the token keys
+    # the proof a data connection must give; the context requires a client certificate when
+    # mutual_tls.
+    hmac_key: bytes | None = field(default=None, repr=False)
+    ssl_context: ssl.SSLContext | None = None
 
     @property
     def tls(self) -> bool:
@@ -366,16 +405,25 @@ def server_auth(*, token_file: PathLike | None = None, tls_cert: PathLike | None
                         f"needs its own certificate to serve TLS, and uses the CA to verify "
                         f"its clients' certificates (mutual TLS)")
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+    key = None
     if token_file:
-        interceptors = (TokenInterceptor(read_token(token_file)),)
+        token = read_token(token_file)
+        interceptors = (TokenInterceptor(token),)
+        key = token.encode("ascii")
     files = _read_tls(tls_cert, tls_key, tls_ca)
-    credentials = None
-    if files.cert is not None and files.key is not None:
+    credentials = context = None
+    if files.cert is not None and files.key is not None and tls_cert and tls_key:
         credentials = grpc.ssl_server_credentials([(files.key, files.cert)],
                                                   root_certificates=files.ca,
                                                   require_client_auth=files.ca is not None)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(tls_cert, tls_key)
+        if tls_ca:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cafile=tls_ca)
     return ServerAuth(credentials=credentials, interceptors=interceptors,
-                      token=bool(token_file), mutual_tls=files.ca is not None)
+                      token=bool(token_file), mutual_tls=files.ca is not None, hmac_key=key,
+                      ssl_context=context)
 
 
 def connection_hint(details: str, *, tls: bool) -> str:

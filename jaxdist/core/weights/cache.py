@@ -27,14 +27,14 @@ import numpy as np
 from jaxdist.core.errors import WeightError
 from jaxdist.core.quant import PACKABLE_TYPES, dequantize, packed_shape
 from jaxdist.core.weights.gguf import GGUFFile
-from jaxdist.core.weights.rawfile import file_bytes, read_raw
+from jaxdist.core.weights.rawfile import map_fd, read_raw
 from jaxdist.core.weights.safetensors import (
     SafetensorsFile,
     find_checkpoint,
     read_config,
     read_index,
 )
-from jaxdist.core.weights.uri import WeightInfo, WeightURI, parse_uri, resolve_path
+from jaxdist.core.weights.uri import WeightInfo, WeightURI, clip, open_checked, parse_uri, resolve_path
 
 __all__ = ["WeightCache", "WeightInfo"]
 
@@ -53,6 +53,7 @@ class _Located:
     path: Path
     reader: _Reader | None = None
     tensor: str | None = None
+    data: np.ndarray | None = None  # file://: the bytes mapped once, hashed and bound alike
 
 
 def _as_dtype(dtype: Any, where: str) -> np.dtype[Any]:
@@ -176,6 +177,7 @@ class WeightCache:
     def __init__(self, roots: Sequence[str | os.PathLike[str]]) -> None:
         self._roots = tuple(Path(r) for r in roots)
         self._lock = threading.Lock()
+        self._opening: dict[Path, threading.Lock] = {}  # one per file being opened
         self._readers: dict[Path, _Reader] = {}
         self._indexes: dict[Path, dict[str, str]] = {}
         self._closed = False
@@ -192,27 +194,58 @@ class WeightCache:
 
     # -- locating ---------------------------------------------------------------------------
 
-    def _open(self, path: Path, kind: type[_R]) -> _R:
+    def _cached(self, path: Path, kind: type[_R]) -> _R | None:
         with self._lock:
             if self._closed:
                 raise WeightError("WeightCache is closed; create a new one to resolve weights")
             reader = self._readers.get(path)
-            if reader is None:
-                reader = kind(path)
-                self._readers[path] = reader
-            elif not isinstance(reader, kind):
+            if reader is not None and not isinstance(reader, kind):
                 raise WeightError(
                     f"file '{path}' was opened as {type(reader).__name__}, now requested as "
                     f"{kind.__name__}; use one URI scheme per file"
                 )
             return reader
 
+    def _read(self, path: Path, kind: type[_R]) -> _R:
+        """Parse a file, opened once and checked (:func:`open_checked`); no lock is held."""
+        return kind(path, fd=open_checked(path, self._roots, where=str(path)))
+
+    def _open(self, path: Path, kind: type[_R]) -> _R:
+        """The cached reader of ``path``, parsed once. The file is opened and parsed outside the
+        cache's lock (under a lock of its own), so a slow or odd file never stalls the others."""
+        reader = self._cached(path, kind)
+        if reader is not None:
+            return reader
+        with self._lock:
+            opening = self._opening.setdefault(path, threading.Lock())
+        with opening:
+            reader = self._cached(path, kind)
+            if reader is None:
+                reader = self._read(path, kind)
+                with self._lock:
+                    self._readers[path] = reader
+                    self._opening.pop(path, None)
+            return reader
+
+    def _peek(self, path: Path, kind: type[_R]) -> _R:
+        """A reader for a look at the headers: the cached one, else a fresh one the caller
+        closes with :meth:`_done_peeking`; nothing stays open after a describe."""
+        return self._cached(path, kind) or self._read(path, kind)
+
+    def _done_peeking(self, path: Path, reader: _Reader) -> None:
+        with self._lock:
+            cached = self._readers.get(path) is reader
+        if not cached:
+            reader.close()
+
     def _index(self, path: Path) -> dict[str, str]:
         with self._lock:
             index = self._indexes.get(path)
-            if index is None:
-                index = self._indexes[path] = read_index(path)
-            return index
+        if index is None:  # read outside the lock, from the file opened and checked
+            index = read_index(path, fd=open_checked(path, self._roots, where=str(path)))
+            with self._lock:
+                self._indexes[path] = index
+        return index
 
     def _checkpoint_file(self, u: WeightURI) -> Path:
         """The safetensors file or index a ``safetensors://`` path stands for."""
@@ -224,7 +257,9 @@ class WeightCache:
     def _locate(self, uri: str | WeightURI) -> _Located:
         u = uri if isinstance(uri, WeightURI) else parse_uri(uri)
         if u.scheme == "file":
-            return _Located(u, resolve_path(u.path, self._roots, uri=str(u)))
+            path = resolve_path(u.path, self._roots, uri=str(u))
+            return _Located(u, path, data=map_fd(open_checked(path, self._roots, where=str(u)),
+                                                 path))
         tensor = u.require_tensor()
         if u.scheme == "gguf":
             path = resolve_path(u.path, self._roots, uri=str(u))
@@ -258,7 +293,8 @@ class WeightCache:
 
     def _stored(self, loc: _Located) -> np.ndarray:
         if loc.reader is None:
-            return file_bytes(loc.path)
+            assert loc.data is not None
+            return loc.data
         return loc.reader.stored_bytes(loc.tensor or "")
 
     def _natural(
@@ -271,7 +307,7 @@ class WeightCache:
                 f"weight '{loc.uri}': a file:// weight needs its shape and dtype from the caller, "
                 f"found shape={shape}, dtype={dtype}; pass both"
             )
-        return read_raw(loc.path, shape=shape, dtype=dtype, uri=str(loc.uri))
+        return read_raw(loc.path, shape=shape, dtype=dtype, uri=str(loc.uri), data=loc.data)
 
     def resolve(
         self, uri: str, *, dtype: Any = None, shape: Sequence[int] | None = None
@@ -338,14 +374,26 @@ class WeightCache:
             raise WeightError(f"'{text}': a file:// weight has no header to describe")
         if u.scheme == "gguf":
             real = resolve_path(u.path, self._roots, uri=text)
-            return self._open(real, GGUFFile).describe()
+            gguf = self._peek(real, GGUFFile)
+            try:
+                return gguf.describe()
+            finally:
+                self._done_peeking(real, gguf)
         real = self._checkpoint_file(u)
+        paths: dict[Path, list[str]] = {}
         if real.suffix != ".json":
-            return self._open(real, SafetensorsFile).describe()
+            paths[real] = []
+        else:
+            for name, shard in self._index(real).items():
+                shard_path = resolve_path(real.parent / shard, self._roots, uri=text)
+                paths.setdefault(shard_path, []).append(name)
         out: dict[str, WeightInfo] = {}
-        for name, shard in self._index(real).items():
-            shard_path = resolve_path(real.parent / shard, self._roots, uri=text)
-            out[name] = self._open(shard_path, SafetensorsFile).info(name)
+        for p, names in paths.items():  # one shard open at a time
+            st = self._peek(p, SafetensorsFile)
+            try:
+                out.update(st.describe() if not names else {n: st.info(n) for n in names})
+            finally:
+                self._done_peeking(p, st)
         return out
 
     def _guess_scheme(self, path: str) -> str:
@@ -356,8 +404,11 @@ class WeightCache:
         real = resolve_path(path, self._roots)
         if real.is_dir():
             return "safetensors"
-        with open(real, "rb") as f:
-            return "gguf" if f.read(4) == b"GGUF" else "safetensors"
+        fd = open_checked(real, self._roots, where=path)
+        try:
+            return "gguf" if os.read(fd, 4) == b"GGUF" else "safetensors"
+        finally:
+            os.close(fd)
 
     def metadata(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Model metadata of a file or checkpoint under the roots, from headers only.
@@ -373,16 +424,27 @@ class WeightCache:
         text = os.fspath(path)
         u = parse_uri(text) if "://" in text else WeightURI(self._guess_scheme(text), text)
         if u.scheme == "gguf":
-            return self._open(resolve_path(u.path, self._roots, uri=text), GGUFFile).metadata()
+            real = resolve_path(u.path, self._roots, uri=text)
+            gguf = self._peek(real, GGUFFile)
+            try:
+                return gguf.metadata()
+            finally:
+                self._done_peeking(real, gguf)
         if u.scheme == "file":
             raise WeightError(f"'{text}': a file:// weight has no metadata")
         real = self._checkpoint_file(u)
         out: dict[str, Any] = {}
         config = real.parent / "config.json"
-        if config.is_file():
-            out["config"] = read_config(resolve_path(config, self._roots, uri=text))
+        if config.exists():
+            checked = resolve_path(config, self._roots, uri=text)
+            out["config"] = read_config(checked, fd=open_checked(checked, self._roots,
+                                                                 where=text))
         if real.suffix != ".json":
-            out.update(self._open(real, SafetensorsFile).metadata)
+            st = self._peek(real, SafetensorsFile)
+            try:
+                out.update(st.metadata)
+            finally:
+                self._done_peeking(real, st)
         return out
 
     # -- binding ----------------------------------------------------------------------------
@@ -425,6 +487,18 @@ class WeightCache:
         Raises:
             WeightError: any mismatch; the message names ``param``, the URI, expected and found.
         """
+        try:
+            return self._load(uri, param=param, shape=shape, dtype=dtype, sha256=sha256,
+                              packed=packed, transpose=transpose, quant=quant)
+        except MemoryError:
+            n = math.prod(int(d) for d in shape) * _as_dtype(dtype, param).itemsize
+            raise WeightError(f"weight '{param}' ({clip(uri)}): {n} bytes ({list(shape)} "
+                              f"{dtype}) could not be allocated on this worker",
+                              code="RESOURCE_EXHAUSTED") from None
+
+    def _load(self, uri: str, *, param: str, shape: Sequence[int], dtype: Any,
+              sha256: str | None, packed: bool, transpose: bool, quant: str | None
+              ) -> np.ndarray:
         loc = self._locate(uri)
         where = f"weight '{param}' ({loc.uri})"
         if sha256 is not None:

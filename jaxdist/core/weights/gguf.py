@@ -33,6 +33,7 @@ from gguf import quants as gguf_quants
 
 from jaxdist.core import quant
 from jaxdist.core.errors import WeightError
+from jaxdist.core.weights.rawfile import map_fd
 from jaxdist.core.weights.uri import WeightInfo
 
 __all__ = ["GGUFFile", "metadata"]
@@ -286,12 +287,17 @@ class GGUFFile:
         WeightError: the file cannot be opened, is not GGUF, is big-endian, truncated or corrupt.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, fd: int | None = None) -> None:
+        """``fd``: the file open already (:func:`~jaxdist.core.weights.uri.open_checked`); it is
+        mapped and closed. Without it, ``path`` is opened."""
         self.path = str(path)
         try:
-            empty = os.path.getsize(self.path) == 0  # np.memmap refuses empty files
-            self._map: np.ndarray = (np.zeros(0, np.uint8) if empty
-                                     else np.memmap(self.path, dtype=np.uint8, mode="r"))
+            if fd is not None:
+                self._map: np.ndarray = map_fd(fd, self.path)
+            else:
+                empty = os.path.getsize(self.path) == 0  # np.memmap refuses empty files
+                self._map = (np.zeros(0, np.uint8) if empty
+                             else np.memmap(self.path, dtype=np.uint8, mode="r"))
         except (OSError, ValueError) as exc:
             raise WeightError(f"GGUF file '{self.path}' could not be read: {exc}; {_FIX}") from exc
         self._header = _parse_header(self._map.data, self.path)

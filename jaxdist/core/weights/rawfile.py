@@ -16,9 +16,27 @@ import numpy as np
 
 from jaxdist.core.errors import WeightError
 
-__all__ = ["file_bytes", "read_raw"]
+__all__ = ["file_bytes", "map_fd", "read_raw"]
 
 logger = logging.getLogger(__name__)
+
+
+def map_fd(fd: int, path: str | os.PathLike[str]) -> np.ndarray:
+    """Map the file open on ``fd`` as a flat read-only uint8 array, then close ``fd`` (the map
+    keeps what it needs). ``path`` names it in errors.
+
+    Raises:
+        WeightError: the file cannot be mapped.
+    """
+    try:
+        if os.fstat(fd).st_size == 0:  # np.memmap refuses empty files
+            return np.zeros(0, np.uint8)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return np.memmap(f, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise WeightError(f"weight file '{path}' could not be mapped: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def file_bytes(path: str | os.PathLike[str]) -> np.ndarray:
@@ -41,11 +59,14 @@ def read_raw(
     shape: Sequence[int],
     dtype: np.dtype[Any],
     uri: str,
+    data: np.ndarray | None = None,
 ) -> np.ndarray:
     """Map a raw little-endian array.
 
     Args:
         path: real path of the file (already checked against the weight roots).
+        data: the file's bytes, mapped already (what a checksum was computed on); default:
+            map ``path``.
         shape: the array shape the spec gives.
         dtype: the element dtype the spec gives (read little-endian).
         uri: the URI, for error messages.
@@ -61,7 +82,8 @@ def read_raw(
     if dt.byteorder == ">":
         dt = dt.newbyteorder("<")
     expected = math.prod(dims) * dt.itemsize
-    data = file_bytes(path)
+    if data is None:
+        data = file_bytes(path)
     if data.size != expected:
         raise WeightError(
             f"raw weight '{uri}': size mismatch: expected {expected} bytes "

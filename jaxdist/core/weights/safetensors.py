@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxdist.core.errors import WeightError
+from jaxdist.core.weights.rawfile import map_fd
 from jaxdist.core.weights.uri import WeightInfo
 
 __all__ = ["INDEX_NAME", "SafetensorsFile", "find_checkpoint", "read_config", "read_index"]
@@ -63,19 +64,33 @@ class SafetensorsFile:
         WeightError: the file is missing, truncated, or its header is malformed.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, fd: int | None = None) -> None:
+        """``fd``: the file open already (:func:`~jaxdist.core.weights.uri.open_checked`); it is
+        mapped and closed, and everything is read from that map. Without it, ``path`` is
+        opened."""
         self.path = str(path)
-        self._map: np.memmap | None = None
+        self._map: np.ndarray | None = None
         try:
-            size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise self._bad(f"expected an 8-byte header length, found {len(head)} bytes")
-                (n,) = struct.unpack("<Q", head)
-                if n > min(_MAX_HEADER, size - 8):
-                    raise self._bad(f"header length {n} exceeds the file size {size}")
-                header = json.loads(f.read(n))
+            if fd is not None:
+                self._map = mapped = map_fd(fd, self.path)
+                size = len(mapped)
+
+                def read(begin: int, end: int) -> bytes:
+                    return bytes(mapped[begin:end])
+            else:
+                size = os.path.getsize(self.path)
+
+                def read(begin: int, end: int) -> bytes:
+                    with open(self.path, "rb") as f:
+                        f.seek(begin)
+                        return f.read(end - begin)
+            head = read(0, 8)
+            if len(head) < 8:
+                raise self._bad(f"expected an 8-byte header length, found {len(head)} bytes")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER, size - 8):
+                raise self._bad(f"header length {n} exceeds the file size {size}")
+            header = json.loads(read(8, 8 + n))
         except OSError as exc:
             raise WeightError(f"safetensors file '{self.path}' could not be read: {exc}") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -211,7 +226,7 @@ def _dtype_by_name(name: str) -> np.dtype[Any]:
     raise WeightError(f"unsupported safetensors dtype {name!r}")
 
 
-def read_index(path: str | os.PathLike[str]) -> dict[str, str]:
+def read_index(path: str | os.PathLike[str], *, fd: int | None = None) -> dict[str, str]:
     """Read a sharded checkpoint's index: ``{tensor name: shard file name}``.
 
     Args:
@@ -221,7 +236,7 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, str]:
         WeightError: the file is not JSON or has no ``weight_map`` object of strings.
     """
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(fd if fd is not None else path, encoding="utf-8") as f:
             index = json.load(f)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise WeightError(f"safetensors index '{path}' could not be read: {exc}") from exc
@@ -240,14 +255,14 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, str]:
     return dict(weight_map)
 
 
-def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_config(path: str | os.PathLike[str], *, fd: int | None = None) -> dict[str, Any]:
     """Read the ``config.json`` of a checkpoint (a JSON object, returned as is).
 
     Raises:
         WeightError: the file cannot be read, is not UTF-8 JSON, or is not a JSON object.
     """
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(fd if fd is not None else path, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise WeightError(

@@ -19,19 +19,30 @@ the cache imports the readers; keeping it beside the URI keeps imports one-way.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist.core.errors import WeightError
 
-__all__ = ["SCHEMES", "WeightInfo", "WeightURI", "parse_uri", "resolve_path"]
+__all__ = ["MAX_PATH_CHARS", "SCHEMES", "WeightInfo", "WeightURI", "clip", "open_checked",
+           "parse_uri", "relocate_uri", "resolve_path"]
 
 logger = logging.getLogger(__name__)
 
 SCHEMES: tuple[str, ...] = ("gguf", "safetensors", "file")
+
+MAX_PATH_CHARS = 4096
+"""The longest weight path accepted (Linux's PATH_MAX); a longer one is refused, clipped."""
+
+
+def clip(text: str, limit: int = 160) -> str:
+    """``text`` cut to ``limit`` characters for an error message, saying how much was cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more chars)"
 
 # Element dtypes that a packed bind can carry, by numpy name -> GGML type name.
 _PLAIN_STORAGE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -149,6 +160,25 @@ def parse_uri(uri: str) -> WeightURI:
     return WeightURI(scheme, path, tensor if hash_sign else None)
 
 
+def relocate_uri(uri: str, old: str, new: str) -> str:
+    """Move ``uri`` from the model at ``old`` to the model at ``new``: its path prefix swapped.
+
+    The prefix matches at a path boundary only (``old`` exactly, or followed by ``#`` or ``/``),
+    so ``m.gguf`` does not match ``m.gguf.bak``. A URI outside ``old`` is returned unchanged.
+
+    Example:
+        >>> relocate_uri("gguf://m.gguf#tok_embd.weight", "m.gguf", "models/m.gguf")
+        'gguf://models/m.gguf#tok_embd.weight'
+        >>> relocate_uri("safetensors://bert/model.safetensors#w", "bert", "/srv/bert")
+        'safetensors:///srv/bert/model.safetensors#w'
+    """
+    scheme, sep, rest = uri.partition("://")
+    base = old.rstrip("/")
+    if sep and base and (rest == base or rest.startswith((base + "#", base + "/"))):
+        return f"{scheme}://{new.rstrip('/')}{rest[len(base):]}"
+    return uri
+
+
 def _real_roots(roots: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return [Path(os.path.realpath(r)) for r in roots]
 
@@ -177,7 +207,8 @@ def resolve_path(
     Raises:
         WeightError: no roots, a path that escapes every root, or no such file.
     """
-    where = uri if uri is not None else str(path)
+    where = clip(uri if uri is not None else str(path))
+    _check_path_text(os.fspath(path), where)
     if not roots:
         raise WeightError(
             f"weight '{where}': no weight roots are configured, so every path is refused; "
@@ -188,7 +219,12 @@ def resolve_path(
     given = Path(path)
     candidates = [given] if given.is_absolute() else [Path(r) / given for r in roots]
     for candidate in candidates:
-        real = Path(os.path.realpath(candidate))
+        try:
+            real = Path(os.path.realpath(candidate))
+        except OSError as exc:  # a link swapped for a directory while it was read, say
+            raise WeightError(f"weight '{where}': path '{clip(str(path))}' changed while it was "
+                              f"resolved ({exc.strerror}); refused", code="FAILED_PRECONDITION"
+                              ) from None
         if not any(real.is_relative_to(root) for root in real_roots):
             raise WeightError(
                 f"weight '{where}': path '{path}' resolves to '{real}', which is outside the "
@@ -196,7 +232,12 @@ def resolve_path(
                 f"(links must not point outside it) or add its directory with --weights-root",
                 code="PERMISSION_DENIED",
             )
-        if real.exists():
+        try:
+            exists = real.exists()
+        except OSError as exc:
+            raise WeightError(f"weight '{where}': '{real}' cannot be examined: {exc.strerror}",
+                              code="FAILED_PRECONDITION") from None
+        if exists:
             logger.debug("resolved %s -> %s", where, real)
             return real
     looked = ", ".join(str(c) for c in candidates)
@@ -205,3 +246,79 @@ def resolve_path(
         f"the --weights-root directories",
         code="NOT_FOUND",
     )
+
+
+def _check_path_text(path: str, where: str) -> None:
+    """Refuse what no file system opens, before it reaches one (and an error message)."""
+    if "\x00" in path:
+        raise WeightError(f"weight '{where}': the path holds a NUL byte; paths cannot",
+                          code="INVALID_ARGUMENT")
+    if len(path) > MAX_PATH_CHARS:
+        raise WeightError(f"weight '{where}': the path has {len(path)} characters, more than "
+                          f"{MAX_PATH_CHARS}", code="INVALID_ARGUMENT")
+    long = next((c for c in path.split("/") if len(os.fsencode(c)) > 255), None)
+    if long is not None:
+        raise WeightError(f"weight '{where}': the path component '{clip(long, 40)}' has "
+                          f"{len(os.fsencode(long))} bytes, more than a file name may (255)",
+                          code="INVALID_ARGUMENT")
+
+
+def _opened_path(fd: int) -> Path | None:
+    """The real path of what ``fd`` opened (Linux's ``/proc/self/fd``), or ``None``."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return None
+
+
+def open_checked(real: Path, roots: Sequence[str | os.PathLike[str]], *, where: str) -> int:
+    """Open a file :func:`resolve_path` resolved, once, and check what was opened.
+
+    The file is opened without blocking (a FIFO cannot hang the caller) and without following a
+    link in its last component; then it must be a regular file, and the file actually opened
+    (``/proc/self/fd``; else its device and inode against ``real``) must still lie under a root.
+    So a directory swapped for a link between the check and the open (a ``renameat2`` exchange)
+    serves nothing outside the roots. Read the data through the returned descriptor only.
+
+    Returns:
+        A read-only file descriptor; the caller closes it.
+
+    Raises:
+        WeightError: not a regular file, gone, or no longer under a root.
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise WeightError(f"weight '{where}': '{real}' became a symbolic link while it was "
+                              f"opened; refused", code="PERMISSION_DENIED") from None
+        code = "NOT_FOUND" if exc.errno == errno.ENOENT else "FAILED_PRECONDITION"
+        raise WeightError(f"weight '{where}': '{real}' could not be opened: {exc.strerror}",
+                          code=code) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory"
+                    if stat.S_ISDIR(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                    or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                    else "not a regular file")
+            raise WeightError(f"weight '{where}': '{real}' is {kind}; weights are read from "
+                              f"regular files only", code="FAILED_PRECONDITION")
+        opened = _opened_path(fd)
+        real_roots = _real_roots(roots)
+        if opened is not None:
+            inside = any(opened.is_relative_to(r) for r in real_roots)
+        else:  # no /proc: the inode must be the one the checked path names
+            now = os.stat(real)
+            inside = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+        if not inside:
+            raise WeightError(f"weight '{where}': '{real}' changed while it was opened (it now "
+                              f"leads outside the weight roots); refused",
+                              code="PERMISSION_DENIED")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

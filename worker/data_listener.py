@@ -1,0 +1,157 @@
+"""The worker's data port: data connections from the previous stages' workers.
+
+Served on the data-plane event loop beside gRPC (``server.py``), on ``--data-listen`` (default:
+the ``--listen`` host, a free port; ``off``: none). A connection first passes the handshake of
+:mod:`jaxdist.core.transport.stream` (with the worker's token: a proof of it; with its TLS
+files: TLS, and a client certificate from ``--tls-ca`` for mutual TLS), within
+:data:`HANDSHAKE_TIMEOUT_S`. Then its messages go into a :class:`FrameIngress`, the path of a
+gRPC ``Push`` stream: the same checks and limits, the same stages. A bad frame is reported to its
+caller and the connection goes on, as on ``Push``. A message that cannot be read (longer than the
+limit, or not a ``Frame``) ends the connection with a goodbye saying why, logged at most once per
+kind per :data:`LOG_INTERVAL_S`; the worker goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from jaxdist.core.errors import AuthError, JaxdistError, TransportError
+from jaxdist.core.transport import stream
+from jaxdist.core.transport.channel import MAX_MESSAGE_BYTES
+from jaxdist.core.transport.frames import parse_frame
+from jaxdist.core.transport.security import RefusalLog, ServerAuth
+from jaxdist.worker.ingress import FrameIngress, FrameLimits, IngressWorker
+
+__all__ = ["HANDSHAKE_TIMEOUT_S", "MAX_HANDSHAKES", "DataListener", "message_limit"]
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0  # TLS and the proof; a connection still without them is closed
+MAX_HANDSHAKES = 64  # connections in their handshake at once; one more is closed at once
+HEADER_BYTES = 1 << 20  # a message's bytes beyond its tensor data: ids, control, tensor headers
+# asyncio's reader limit: a connection stops reading (TCP flow control then slows its sender)
+# with twice this unread, beyond the message being read
+READ_LIMIT_BYTES = 1 << 20
+LOG_INTERVAL_S = 10.0
+
+
+def message_limit(config: FrameLimits) -> tuple[int, str]:
+    """The longest message a data connection may declare, and what sets it (for errors).
+
+    A message carries part of one frame, so its tensor data is at most ``--max-frame-bytes``;
+    and a message is never longer than gRPC would take on ``Push`` (``MAX_MESSAGE_BYTES``).
+    """
+    frame = config.max_frame_bytes + HEADER_BYTES
+    if frame <= MAX_MESSAGE_BYTES:
+        return frame, (f"--max-frame-bytes={config.max_frame_bytes}, plus {HEADER_BYTES} bytes "
+                       f"for a message's header fields")
+    return MAX_MESSAGE_BYTES, f"MAX_MESSAGE_BYTES={MAX_MESSAGE_BYTES}, the gRPC message limit"
+
+
+class DataListener:
+    """The data port of one worker. :meth:`start` and :meth:`close` run on the data-plane loop.
+
+    Args:
+        worker: the servicer whose stages the frames are for.
+        auth: what a data connection must present: the token's proof, and TLS (mutual when
+            the worker requires client certificates), from the worker's own files.
+    """
+
+    def __init__(self, worker: IngressWorker, auth: ServerAuth) -> None:
+        self._worker = worker
+        self._auth = auth
+        self._max_message, self._limit = message_limit(worker.config)
+        self._server: asyncio.Server | None = None
+        self._handshaking = 0
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._refusals = RefusalLog(log, LOG_INTERVAL_S)
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the port.
+
+        Raises:
+            TransportError: the address cannot be bound.
+        """
+        try:
+            self._server = await asyncio.start_server(
+                self._serve, host, port, ssl=self._auth.ssl_context,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self._auth.ssl_context else None,
+                limit=READ_LIMIT_BYTES)
+        except OSError as exc:
+            raise TransportError(f"cannot listen on --data-listen {host}:{port}: {exc}"
+                                 ) from None
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening and close every data connection."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._connections):
+            writer.transport.abort()
+        self._connections.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = "{}:{}".format(*(writer.get_extra_info("peername") or ("?", 0))[:2])
+        self._connections.add(writer)
+        try:
+            if await self._admit(peer, reader, writer):
+                await self._frames(peer, reader, writer)
+        finally:
+            self._connections.discard(writer)
+            if writer.transport.get_write_buffer_size():  # a goodbye it did not read
+                writer.transport.abort()
+            else:
+                writer.close()
+
+    async def _admit(self, peer: str, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> bool:
+        """The handshake, bounded in time and in number; False (logged) when refused."""
+        if self._handshaking >= MAX_HANDSHAKES:
+            self._refused(peer, f"more than {MAX_HANDSHAKES} connections in their handshake")
+            return False
+        self._handshaking += 1
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                await stream.server_handshake(reader, writer, key=self._auth.hmac_key,
+                                              max_message=self._max_message)
+            return True
+        except TimeoutError:
+            self._refused(peer, f"no handshake within {HANDSHAKE_TIMEOUT_S}s")
+        except AuthError as exc:
+            self._refused(peer, str(exc).split(":")[0], str(exc))
+        except TransportError:
+            self._refused(peer, "closed during the handshake")
+        except JaxdistError as exc:
+            self._refused(peer, "not the data protocol", str(exc))
+        except OSError:
+            pass  # gone before the handshake ended: nothing to say
+        finally:
+            self._handshaking -= 1
+        return False
+
+    async def _frames(self, peer: str, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        """Messages into the stages until the client closes, or a message cannot be read."""
+        ingress = FrameIngress(self._worker)
+        try:
+            while (data := await stream.read_message(reader, self._max_message,
+                                                     self._limit)) is not None:
+                await ingress.take(parse_frame(data))
+        except TransportError:
+            return  # closed inside a message: the sender went away
+        except OSError:
+            return
+        except JaxdistError as exc:  # over the limit, or not a Frame: the connection ends
+            self._refused(peer, type(exc).__name__, str(exc))
+            stream.write_status(writer, exc)
+            try:
+                async with asyncio.timeout(1.0):
+                    await writer.drain()
+            except (OSError, TimeoutError):
+                pass
+
+    def _refused(self, peer: str, kind: str, detail: str = "") -> None:
+        self._refusals.refused(f"data connection from {peer}", kind, detail)

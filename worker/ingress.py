@@ -1,0 +1,92 @@
+"""Frames into a worker's stages: the one path every incoming stream takes.
+
+A gRPC ``Push`` stream (``servicer.py``) and a data connection (``data_listener.py``) each get a
+:class:`FrameIngress` and feed it their messages in order, so both ingresses run the same
+checks, under the same limits, into the same :meth:`StageRuntime.accept` and
+:meth:`StageRuntime.process`. A bad frame is reported on the coordinator's subscription and the
+stream goes on; only a message that cannot be read at all ends the stream (the caller's job).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from jaxdist.core.errors import SessionError
+from jaxdist.core.runtime import StageRuntime
+from jaxdist.core.transport.frames import FrameAssembler, FrameHeader, FrameView, header_of
+from jaxdist.worker.limits import FrameBudget, check_ids
+
+__all__ = ["FrameIngress", "FrameLimits", "IngressWorker"]
+
+
+class FrameLimits(Protocol):
+    """The limits of ``WorkerConfig`` an ingress applies."""
+
+    @property
+    def max_frame_bytes(self) -> int: ...
+    @property
+    def max_frame_tensor_bytes(self) -> int: ...
+    @property
+    def max_tensors_per_frame(self) -> int: ...
+    @property
+    def max_id_bytes(self) -> int: ...
+
+
+class IngressWorker(Protocol):
+    """What an ingress needs of its worker (``WorkerServicer``)."""
+
+    @property
+    def config(self) -> FrameLimits: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def draining(self) -> bool: ...
+    def runtime_for(self, pipeline_id: str, stage: int) -> StageRuntime | None: ...
+    async def report(self, header: FrameHeader | Any, exc: BaseException) -> None: ...
+
+
+class FrameIngress:
+    """The frames of one incoming stream, assembled, checked and run. Used on the loop only.
+
+    A tensor is refused on its declared size before it is allocated; the budget counts the
+    whole frame's bytes and tensors as they arrive (``worker/limits.py``).
+    """
+
+    def __init__(self, worker: IngressWorker) -> None:
+        cfg = worker.config
+        self._worker = worker
+        self._asm = FrameAssembler(max_bytes=min(cfg.max_frame_tensor_bytes, cfg.max_frame_bytes),
+                                   max_tensors=cfg.max_tensors_per_frame)
+        self._budget = FrameBudget(cfg.max_frame_bytes, cfg.max_tensors_per_frame)
+        self.messages = 0  # messages taken
+
+    async def take(self, msg: FrameView) -> None:
+        """Take one message of the stream; when it completes a frame, run the frame (waits
+        while the stage's egress is full: back-pressure on this stream). Never raises for a bad
+        frame: it is reported to the frame's caller."""
+        self.messages += 1
+        worker, cfg = self._worker, self._worker.config
+        header = header_of(msg.msg)
+        runtime = worker.runtime_for(header.pipeline_id, header.stage)
+        try:
+            if worker.draining:
+                raise SessionError(f"worker {worker.address} is shutting down; frame of "
+                                   f"session {header.session_id!r} refused")
+            check_ids("frame", cfg.max_id_bytes, pipeline_id=header.pipeline_id,
+                      session_id=header.session_id, reply_to=header.reply_to)
+            if runtime is None:
+                raise SessionError(f"unknown stage: pipeline {header.pipeline_id!r} stage "
+                                   f"{header.stage} is not loaded on worker {worker.address}")
+            self._budget.add(msg.chunks, header)
+            done = self._asm.add(msg, header)
+            if done is None:
+                return
+            self._budget.reset()
+            header, tensors = done
+            tensors, shapes = runtime.accept(header, tensors)
+        except Exception as exc:  # noqa: BLE001 - a bad frame is reported, not fatal
+            self._asm.reset()
+            self._budget.reset()
+            await worker.report(header, exc)
+            return
+        await runtime.process(header, tensors, shapes)
