@@ -159,7 +159,8 @@ def test_error_negative_stage_index() -> None:
 
 
 def test_error_bad_next_hop() -> None:
-    for bad in ("localhost", "host:", ":50051", "host:port", "a b:1"):
+    for bad in ("localhost", "host:", ":50051", "host:port", "a b:1", "unix:/tmp/w.sock:1",
+                "unix-abstract:w:1", "dns:///h:1", "ipv4:1.2.3.4:5"):
         _refused(full_spec().replace(next_hop=bad),
                  rf"^StageSpec\.next_hop: expected HOST:PORT, found '{bad}'")
 

@@ -131,6 +131,10 @@ class Hub:
             old.end()
         return sub
 
+    def subscribed(self, pipeline_id: str) -> bool:
+        """Whether anyone subscribes to ``pipeline_id``'s results here (from any thread)."""
+        return any(pid == pipeline_id for pid, _ in list(self._subs))
+
     def close(self, pipeline_id: str, reply_to: str, sub: Subscription) -> None:
         if self._subs.get((pipeline_id, reply_to)) is sub:
             del self._subs[(pipeline_id, reply_to)]

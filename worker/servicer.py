@@ -29,7 +29,7 @@ import psutil
 
 import jaxdist
 from jaxdist.core import artifacts, codec, devices, heap, kernels
-from jaxdist.core.errors import ArtifactError, JaxdistError, LimitError, TransportError
+from jaxdist.core.errors import ArtifactError, JaxdistError, LimitError, SpecError, TransportError
 from jaxdist.core.runtime import StageRuntime, remote_error
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.spec import SPEC_VERSION, StageSpec, validate
@@ -104,6 +104,11 @@ def _failure(exc: BaseException, context: grpc.ServicerContext | grpc.aio.Servic
     return status.code_for(exc)
 
 
+LEASE_PERIOD_S = 1.0
+"""How often leases are checked."""
+MAX_LEASE_S = 86400.0
+
+
 def _rpc(method: Callable[..., T]) -> Callable[..., T]:
     """Parse a unary call's request bytes (``wire.parse_request``), and map every exception of
     the call, a malformed request included, to one status code and a message."""
@@ -156,6 +161,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              daemon=True).start()
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._lock = threading.Lock()
+        # pipeline -> [lease seconds, when it was last seen subscribed]; see _watch_leases
+        self._leases: dict[str, list[float]] = {}
+        threading.Thread(target=self._watch_leases, name="lease-watch", daemon=True).start()
         self._draining = threading.Event()
         self.health = WorkerHealth()  # grpc.health.v1; server.py serves it
         # Waits for device results and compiles new shapes, off the data-plane loop.
@@ -179,6 +187,33 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         period = min(max(self.config.session_idle_timeout / 4, 0.05), 30.0)
         while not self._reaper_stop.wait(period):
             self.sessions.reclaim_idle()
+
+    def _watch_leases(self) -> None:
+        """Unload the stages of a leased pipeline whose coordinator is gone: nobody has
+        subscribed to its results here for its lease (a SIGKILLed or partitioned coordinator;
+        its stages would otherwise hold their memory until someone unloads them by hand)."""
+        while not self._reaper_stop.wait(LEASE_PERIOD_S):
+            now = time.monotonic()
+            with self._lock:
+                leases = list(self._leases.items())
+            for pipeline_id, lease in leases:
+                if self.hub.subscribed(pipeline_id):
+                    lease[1] = now
+                    continue
+                if now - lease[1] <= lease[0]:
+                    continue
+                with self._lock:
+                    if self._leases.get(pipeline_id) is not lease:
+                        continue  # reloaded meanwhile
+                    del self._leases[pipeline_id]
+                    keys = [k for k in self._stages if k[0] == pipeline_id]
+                    runtimes = [self._stages.pop(k) for k in keys]
+                for rt in runtimes:
+                    rt.stop()
+                if runtimes:
+                    log.warning("pipeline %s: no coordinator has subscribed to it for %.0f s "
+                                "(its lease); unloaded its %d stage(s)", pipeline_id[:64],
+                                lease[0], len(runtimes))
 
     def runtimes(self) -> list[StageRuntime]:
         """The loaded stages, as they are now (the metrics read them)."""
@@ -289,6 +324,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(_failure(exc, context, "LoadStage"), str(exc))
             raise  # unreachable: abort raises
 
+    def _lease(self, pipeline_id: str, lease_s: float) -> None:
+        """Hold ``pipeline_id``'s stages for a lease of ``lease_s`` seconds (0: pinned)."""
+        if not lease_s >= 0 or lease_s > MAX_LEASE_S:
+            raise SpecError(f"LoadStage: lease_s {lease_s} is out of range; expected 0 (pinned) "
+                            f"to {MAX_LEASE_S:.0f} seconds")
+        with self._lock:
+            if lease_s > 0:
+                self._leases[pipeline_id] = [lease_s, time.monotonic()]
+            else:
+                self._leases.pop(pipeline_id, None)
+
     def _load_stage(self, data: bytes, load: Load) -> pb.LoadStageReply | None:
         """LoadStage's work, in a load thread; ``load`` records each phase for ``Info``.
         ``None``: the load was abandoned, and nothing of it is kept."""
@@ -317,6 +363,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         with self._lock:
             old = self._stages.get(key)
         if old is not None and old.spec.replace(artifact=None) == spec.replace(artifact=None):
+            self._lease(pipeline_id, request.lease_s)
             return pb.LoadStageReply(stage_id=stage_id, already_loaded=True,
                                      weight_bytes=old.stage.weight_bytes,
                                      device=str(old.stage.device))
@@ -372,6 +419,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return None
         if old is not None:
             old.stop()
+        self._lease(pipeline_id, request.lease_s)
         return pb.LoadStageReply(stage_id=stage_id, already_loaded=False, bind_s=stage.bind_seconds,
                                  compile_s=stage.compile_seconds, weight_bytes=stage.weight_bytes,
                                  device=str(stage.device), load_s=load.seconds.get("load", 0.0))
@@ -384,6 +432,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             keys = [k for k, rt in self._stages.items()
                     if request.stage_id in (rt.stage_id, rt.pipeline_id)]
             runtimes = [self._stages.pop(k) for k in keys]
+            self._leases.pop(request.stage_id, None)
         for rt in runtimes:
             rt.stop()
         return pb.UnloadStageReply(unloaded=bool(runtimes))

@@ -69,7 +69,7 @@ def run_deploy(opts: argparse.Namespace) -> int:
     try:
         with ProgressBar() as bar:
             pipe = cluster.deploy_manifest(manifest, registry=store, model_path=opts.model_path,
-                                           device=opts.device,
+                                           device=opts.device, pin=True,
                                            progress=bar if not opts.json else None)
         wall = time.perf_counter() - t0
         placed = [c.address for c in pipe.clients]

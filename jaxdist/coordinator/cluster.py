@@ -29,7 +29,7 @@ from jaxdist.coordinator.loading import LoadInterrupted, load_stages
 from jaxdist.coordinator.pipeline import Pipeline, Session
 from jaxdist.coordinator.spawn import LocalWorker, spawn_workers, stop_workers
 from jaxdist.core import codec, kernels
-from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S
+from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S, LEASE_S
 from jaxdist.core.errors import ArtifactError, JaxdistError, SpecError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport.client import WorkerClient
@@ -79,6 +79,9 @@ class Cluster:
         credentials: TLS channel credentials.
         spares: ``HOST:PORT`` of spare workers. They get no stage at deploy; when a worker of a
             pipeline dies, :meth:`Pipeline.recover` moves its stages to a spare.
+        lease_s: the stages this cluster loads are leased for this long: a worker unloads them
+            once nobody has subscribed to their pipeline there for that long (this coordinator
+            died). 0: pinned. ``deploy_manifest(..., pin=True)`` pins one deploy.
 
     Example:
         >>> with Cluster.local(2, weights_roots=["/srv/models"]) as cluster:  # doctest: +SKIP
@@ -90,7 +93,7 @@ class Cluster:
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, metadata: tuple[tuple[str, str], ...] = (),
                  credentials: grpc.ChannelCredentials | None = None,
-                 spares: Sequence[str] = ()) -> None:
+                 spares: Sequence[str] = (), lease_s: float = LEASE_S) -> None:
         if not addresses:
             raise TransportError("a cluster needs at least one worker address")
         both = sorted(set(addresses) & set(spares))
@@ -104,6 +107,7 @@ class Cluster:
         self._client_args: dict[str, Any] = {"timeout": timeout, "metadata": metadata,
                                              "credentials": credentials}
         self.heartbeat_timeout = heartbeat_timeout
+        self.lease_s = lease_s
         self._local: list[LocalWorker] = []
         self._ray: RayWorkers | None = None  # workers started as Ray actors (Cluster.ray)
         self._pipelines: list[Pipeline] = []
@@ -147,8 +151,8 @@ class Cluster:
         constructor (``timeout``, ``heartbeat_timeout``). The workers' ``token_file``,
         ``tls_cert``, ``tls_key`` and ``tls_ca`` are also the cluster's own credentials.
         """
-        ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout")
-                                if k in kwargs}
+        ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout",
+                                                           "lease_s") if k in kwargs}
         auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
                                                        "tls_ca") if kwargs.get(k)})
         ctor.update(metadata=auth.metadata, credentials=auth.credentials)
@@ -208,8 +212,8 @@ class Cluster:
 
         if spares < 0:
             raise TransportError(f"spares={spares}: expected a number of spare workers >= 0")
-        ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout")
-                                if k in kwargs}
+        ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout",
+                                                           "lease_s") if k in kwargs}
         auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
                                                        "tls_ca") if kwargs.get(k)})
         ctor.update(metadata=auth.metadata, credentials=auth.credentials)
@@ -280,7 +284,8 @@ class Cluster:
 
     def deploy_manifest(self, manifest: Manifest | str, *, registry: Any = None,
                         model_path: str | None = None, workers: Sequence[str] | None = None,
-                        device: str = "auto", progress: Progress | None = None) -> Pipeline:
+                        device: str = "auto", progress: Progress | None = None,
+                        pin: bool = False) -> Pipeline:
         """Deploy an exported model from its manifest and registry; nothing is traced.
 
         Digest first: each artifact is fetched from the registry (and checked) and uploaded
@@ -298,6 +303,9 @@ class Cluster:
             workers: addresses to place stages on, in order; stage k lands on
                 ``workers[k % len(workers)]``.
             device: the device directive every stage carries.
+            pin: keep the stages loaded until they are unloaded (``jaxdist deploy``). By
+                default they are leased (:data:`~jaxdist.core.defaults.LEASE_S`): the workers
+                unload them once this coordinator has been gone that long.
             progress: ``progress(what, done, total)`` callback.
 
         Returns:
@@ -334,7 +342,8 @@ class Cluster:
 
         name = manifest.model.name or "model"
         pipeline_id = f"{name}-{uuid.uuid4().hex[:8]}"
-        return self._ship(pipeline_id, specs, self._order(workers), device, fetch, progress)
+        return self._ship(pipeline_id, specs, self._order(workers), device, fetch, progress,
+                          lease_s=0.0 if pin else self.lease_s)
 
     def attach(self, pipeline_id: str, manifest: Manifest | None = None,
                model_path: str | None = None) -> Pipeline:
@@ -422,21 +431,24 @@ class Cluster:
 
     def _ship(self, pipeline_id: str, built: Sequence[StageSpec], order: Sequence[str],
               device: str, fetch: Callable[[str], bytes], progress: Progress, *,
-              model: Model | None = None) -> Pipeline:
+              model: Model | None = None, lease_s: float | None = None) -> Pipeline:
         """Place specs, load every stage (see :meth:`load_stages`), start the pipeline."""
         clients = {c.address: c for c in self.clients}
         placed = [clients[order[k % len(order)]] for k in range(len(built))]
         specs = [spec.replace(device=device, stage_id=f"{pipeline_id}/{k}")
                  for k, spec in enumerate(built)]
-        specs = self.load_stages(pipeline_id, specs, placed, fetch, progress)
+        lease_s = self.lease_s if lease_s is None else lease_s
+        specs = self.load_stages(pipeline_id, specs, placed, fetch, progress, lease_s=lease_s)
         pipe = Pipeline(self, pipeline_id, specs, placed,
-                        heartbeat_timeout=self.heartbeat_timeout, model=model, fetch=fetch)
+                        heartbeat_timeout=self.heartbeat_timeout, model=model, fetch=fetch,
+                        lease_s=lease_s)
         self._pipelines.append(pipe)
         return pipe
 
     def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
                     placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
-                    progress: Progress | None = None) -> list[StageSpec]:
+                    progress: Progress | None = None, *, lease_s: float | None = None
+                    ) -> list[StageSpec]:
         """Load stage k on ``placed[k]``, linked to the next stage's worker; all in parallel.
 
         Digest first: an artifact is fetched and uploaded only to a worker that lacks it. While
@@ -458,7 +470,8 @@ class Cluster:
                               next_data_hop=self._data_hop(k, placed[k + 1])
                               if k + 1 < len(specs) else "")
                  for k, spec in enumerate(specs)]
-        shipped = load_stages(pipeline_id, specs, placed, fetch, progress, self._interrupted)
+        shipped = load_stages(pipeline_id, specs, placed, fetch, progress, self._interrupted,
+                              self.lease_s if lease_s is None else lease_s)
         self._loads[pipeline_id] = [
             StageLoad(k, placed[k].address, specs[k].artifact_digest, s.uploaded,
                       s.reply.already_loaded, s.reply.bind_s, s.reply.compile_s,

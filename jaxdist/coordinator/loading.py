@@ -83,9 +83,10 @@ class _Run:
 
     def __init__(self, pipeline_id: str, specs: Sequence[StageSpec],
                  placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
-                 progress: Callable[[str, int, int], None], interrupted: threading.Event
-                 ) -> None:
+                 progress: Callable[[str, int, int], None], interrupted: threading.Event,
+                 lease_s: float = 0.0) -> None:
         self.pipeline_id = pipeline_id
+        self.lease_s = lease_s
         self.specs = specs
         self.placed = placed
         self.fetch = fetch
@@ -112,7 +113,8 @@ class _Run:
             self.run(k, client.start_upload_artifact(digest, data))
         self.set(k, "load", loading=True)
         try:
-            reply = self.run(k, client.start_load_stage(spec, self.pipeline_id))
+            reply = self.run(k, client.start_load_stage(spec, self.pipeline_id,
+                                                           lease_s=self.lease_s))
         except ArtifactError as exc:  # name the exporting versions beside the worker's
             v = spec.versions
             raise ArtifactError(f"{exc} [stage {k} was exported with jax {v.jax}, jaxlib "
@@ -216,7 +218,7 @@ class _Run:
 
 def load_stages(pipeline_id: str, specs: Sequence[StageSpec], placed: Sequence[WorkerClient],
                 fetch: Callable[[str], bytes] | None, progress: Callable[[str, int, int], None],
-                interrupted: threading.Event) -> list[Shipped]:
+                interrupted: threading.Event, lease_s: float = 0.0) -> list[Shipped]:
     """Load ``specs[k]`` on ``placed[k]``, all at once; see the module docstring.
 
     Args:
@@ -226,6 +228,8 @@ def load_stages(pipeline_id: str, specs: Sequence[StageSpec], placed: Sequence[W
         fetch: the artifact of a digest, for a worker that lacks it; ``None``: none to upload.
         progress: ``progress(what, done, total)``, called when a phase changes.
         interrupted: set from another thread to interrupt (:meth:`Cluster.interrupt`).
+        lease_s: the workers unload the stages once no coordinator has subscribed to the
+            pipeline for this long; 0: pinned (``jaxdist deploy``).
 
     Returns:
         How each stage was loaded, in order.
@@ -236,7 +240,7 @@ def load_stages(pipeline_id: str, specs: Sequence[StageSpec], placed: Sequence[W
             ``None``. Other typed errors of the workers name the worker. Nothing of this call
             stays loaded.
     """
-    run = _Run(pipeline_id, specs, placed, fetch, progress, interrupted)
+    run = _Run(pipeline_id, specs, placed, fetch, progress, interrupted, lease_s)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(specs)),
                                                  thread_name_prefix="load-stage")
     futures: list[concurrent.futures.Future[Shipped]] = []

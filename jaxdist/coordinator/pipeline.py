@@ -61,8 +61,8 @@ class Placement(Protocol):
 
     def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
                     placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
-                    progress: Callable[[str, int, int], None] | None = None
-                    ) -> list[StageSpec]:
+                    progress: Callable[[str, int, int], None] | None = None, *,
+                    lease_s: float | None = None) -> list[StageSpec]:
         """Load stage k on ``placed[k]``, linked to the next one; returns the loaded specs."""
         ...
 
@@ -104,12 +104,14 @@ class Pipeline:
 
     def __init__(self, cluster: Placement, pipeline_id: str, specs: Sequence[StageSpec],
                  clients: Sequence[WorkerClient], *, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
-                 model: Model | None = None, fetch: Callable[[str], bytes] | None = None) -> None:
+                 model: Model | None = None, fetch: Callable[[str], bytes] | None = None,
+                 lease_s: float = 0.0) -> None:
         self.cluster = cluster
         self.pipeline_id = pipeline_id
         self.model = model
         self.reply_to = uuid.uuid4().hex
         self.heartbeat_timeout = heartbeat_timeout
+        self.lease_s = lease_s  # the stages' lease on the workers (0: pinned); kept on failover
         self.failovers: list[Failover] = []
         self._fetch = fetch
         self._pending: dict[int, _Pending] = {}
@@ -313,7 +315,7 @@ class Pipeline:
                             log.warning("failover: could not unload %s from %s: %s",
                                         self.pipeline_id, c.address, exc)
                 specs = self.cluster.load_stages(self.pipeline_id, self.specs, clients,
-                                                 self._fetch)
+                                                 self._fetch, lease_s=self.lease_s)
                 self._connect(specs, clients)
             except BaseException as exc:
                 self._broken = exc if isinstance(exc, JaxdistError) else cause

@@ -400,12 +400,14 @@ class UploadReply(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., stored: _Optional[bool] = ..., size: _Optional[int] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("spec", "pipeline_id")
+    __slots__ = ("spec", "pipeline_id", "lease_s")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     spec: StageSpec
     pipeline_id: str
-    def __init__(self, spec: _Optional[_Union[StageSpec, _Mapping]] = ..., pipeline_id: _Optional[str] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, spec: _Optional[_Union[StageSpec, _Mapping]] = ..., pipeline_id: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
     __slots__ = ("stage_id", "already_loaded", "bind_s", "compile_s", "weight_bytes", "device", "load_s")

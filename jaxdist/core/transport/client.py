@@ -166,16 +166,19 @@ class WorkerClient:
                                        total_bytes=len(data))
         return self._start("UploadArtifact", self.stub.UploadArtifact, chunks(), timeout)
 
-    def load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0
-                   ) -> pb.LoadStageReply:
-        return self.start_load_stage(spec, pipeline_id, timeout).result()
+    def load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0, *,
+                   lease_s: float = 0.0) -> pb.LoadStageReply:
+        return self.start_load_stage(spec, pipeline_id, timeout, lease_s=lease_s).result()
 
-    def start_load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0
-                         ) -> Call[pb.LoadStageReply]:
+    def start_load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0, *,
+                         lease_s: float = 0.0) -> Call[pb.LoadStageReply]:
         """:meth:`load_stage`, as a call that can be cancelled. While it runs, the worker's
-        ``Info`` lists it under ``loading`` with its phase."""
+        ``Info`` lists it under ``loading`` with its phase. ``lease_s`` > 0: the worker
+        unloads the pipeline's stages once nobody has subscribed to it for that long; 0:
+        they stay until unloaded."""
         return self._start(f"LoadStage (stage {spec.stage_index})", self.stub.LoadStage,
-                           pb.LoadStageRequest(spec=spec.to_proto(), pipeline_id=pipeline_id),
+                           pb.LoadStageRequest(spec=spec.to_proto(), pipeline_id=pipeline_id,
+                                               lease_s=lease_s),
                            timeout)
 
     def unload_stage(self, stage_id: str, timeout: float | None = None) -> bool:
