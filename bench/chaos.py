@@ -39,15 +39,12 @@ import time
 from typing import Any
 
 import _common as c
+from soak import PROMPTS  # the soak's 8 texts
 
 MAX_SEQ = 128
 MAX_SLOTS = 4
 PREFILL_BUCKETS = (16, 64)
 MAX_NEW = 24
-PROMPTS = ("The capital of France is", "Write a haiku about the sea.", "What is 12 times 7?",
-           "Name three primary colors.", "Explain gravity in one sentence.",
-           "Translate 'good morning' into Spanish.", "Why is the sky blue?",
-           "List the planets of the solar system.")
 note = c.note("chaos")
 
 

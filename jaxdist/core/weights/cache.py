@@ -8,6 +8,7 @@ GGUF's reversed dims, dequantization, transposition and dtype casts.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -15,7 +16,7 @@ import mmap
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -227,16 +228,22 @@ class WeightCache:
                     self._opening.pop(path, None)
             return reader
 
-    def _peek(self, path: Path, kind: type[_R]) -> _R:
-        """A reader for a look at the headers: the cached one, else a fresh one the caller
-        closes with :meth:`_done_peeking`; nothing stays open after a describe."""
-        return self._cached(path, kind) or self._read(path, kind)
-
-    def _done_peeking(self, path: Path, reader: _Reader) -> None:
-        with self._lock:
-            cached = self._readers.get(path) is reader
-        if not cached:
-            reader.close()
+    @contextlib.contextmanager
+    def _peek(self, path: Path, kind: type[_R]) -> Iterator[_R]:
+        """A reader for a look at the headers: the cached one, else a fresh one closed on
+        leaving the block, so nothing stays open after a describe."""
+        reader = self._cached(path, kind)
+        if reader is not None:
+            yield reader
+            return
+        reader = self._read(path, kind)
+        try:
+            yield reader
+        finally:
+            with self._lock:
+                cached = self._readers.get(path) is reader
+            if not cached:
+                reader.close()
 
     def _index(self, path: Path) -> dict[str, str]:
         with self._lock:
@@ -374,11 +381,8 @@ class WeightCache:
             raise WeightError(f"'{text}': a file:// weight has no header to describe")
         if u.scheme == "gguf":
             real = resolve_path(u.path, self._roots, uri=text)
-            gguf = self._peek(real, GGUFFile)
-            try:
+            with self._peek(real, GGUFFile) as gguf:
                 return gguf.describe()
-            finally:
-                self._done_peeking(real, gguf)
         real = self._checkpoint_file(u)
         paths: dict[Path, list[str]] = {}
         if real.suffix != ".json":
@@ -389,11 +393,8 @@ class WeightCache:
                 paths.setdefault(shard_path, []).append(name)
         out: dict[str, WeightInfo] = {}
         for p, names in paths.items():  # one shard open at a time
-            st = self._peek(p, SafetensorsFile)
-            try:
+            with self._peek(p, SafetensorsFile) as st:
                 out.update(st.describe() if not names else {n: st.info(n) for n in names})
-            finally:
-                self._done_peeking(p, st)
         return out
 
     def _guess_scheme(self, path: str) -> str:
@@ -425,11 +426,8 @@ class WeightCache:
         u = parse_uri(text) if "://" in text else WeightURI(self._guess_scheme(text), text)
         if u.scheme == "gguf":
             real = resolve_path(u.path, self._roots, uri=text)
-            gguf = self._peek(real, GGUFFile)
-            try:
+            with self._peek(real, GGUFFile) as gguf:
                 return gguf.metadata()
-            finally:
-                self._done_peeking(real, gguf)
         if u.scheme == "file":
             raise WeightError(f"'{text}': a file:// weight has no metadata")
         real = self._checkpoint_file(u)
@@ -440,11 +438,8 @@ class WeightCache:
             out["config"] = read_config(checked, fd=open_checked(checked, self._roots,
                                                                  where=text))
         if real.suffix != ".json":
-            st = self._peek(real, SafetensorsFile)
-            try:
+            with self._peek(real, SafetensorsFile) as st:
                 out.update(st.metadata)
-            finally:
-                self._done_peeking(real, st)
         return out
 
     # -- binding ----------------------------------------------------------------------------
