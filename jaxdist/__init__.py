@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["JaxdistError", "SpecError", "CodecError", "WeightError", "DeviceError",
                      "ArtifactError", "TransportError", "SessionError", "LimitError",
-                     "AuthError", "RemoteStageError"], "jaxdist.core.errors"),
+                     "AuthError", "PipelineKeyError", "RemoteStageError"],
+                    "jaxdist.core.errors"),
     **dict.fromkeys(["WeightCache", "WeightInfo", "resolve_weight", "resolve_weight_bytes",
                      "describe_weights"], "jaxdist.core.weights"),
     **dict.fromkeys(["DeviceDirective", "parse_directive", "resolve_device"], "jaxdist.core.devices"),
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (the names are in __all__)
         DeviceError,
         JaxdistError,
         LimitError,
+        PipelineKeyError,
         RemoteStageError,
         SessionError,
         SpecError,

@@ -16,7 +16,7 @@ from models import mlp, mlp_reference
 import jaxdist.coordinator.cluster
 import jaxdist.core.artifacts
 from jaxdist.coordinator.cluster import Cluster
-from jaxdist.core.errors import ArtifactError, SpecError, WeightError
+from jaxdist.core.errors import ArtifactError, PipelineKeyError, SpecError, WeightError
 from jaxdist.core.transport.client import WorkerClient
 from jaxdist.registry.local import LocalRegistry
 from jaxdist.registry.manifest import open_manifest
@@ -127,9 +127,16 @@ def test_deploy_from_http_registry(cluster: Cluster, registry: pathlib.Path,
 
 def test_attach(cluster: Cluster, registry: pathlib.Path, worker_root: pathlib.Path) -> None:
     pub = _publish(registry, [2, 2])
-    pipe = cluster.deploy_manifest(pub.manifest, registry=str(registry))
+    pipe = cluster.deploy_manifest(pub.manifest, registry=str(registry), pin=True)  # shared
+    private = cluster.deploy_manifest(pub.manifest, registry=str(registry))
     try:
         with Cluster.connect(cluster.addresses) as other:
+            # A pipeline loaded for one run has a key: another coordinator cannot attach to it.
+            with pytest.raises(PipelineKeyError, match=rf"Subscribe: pipeline "
+                                                       rf"'{private.pipeline_id}' on worker "
+                                                       r".* was loaded by another coordinator"):
+                other.attach(private.pipeline_id, pub.manifest)
+            _check(private, worker_root)  # and it still serves its own
             attached = other.attach(pipe.pipeline_id, pub.manifest)
             assert [c.address for c in attached.clients] == [c.address for c in pipe.clients]
             _check(attached, worker_root)
@@ -141,6 +148,7 @@ def test_attach(cluster: Cluster, registry: pathlib.Path, worker_root: pathlib.P
                 other.attach("nope")
     finally:
         pipe.close()
+        private.close()
 
 
 def test_error_artifact_missing_from_registry(cluster: Cluster, tmp_path: pathlib.Path) -> None:

@@ -48,13 +48,15 @@ def cluster(mlp_root: pathlib.Path) -> Iterator[Cluster]:
         yield c
 
 
-def _flood(client: WorkerClient, pipeline_id: str, reply_to: str, frames: int) -> None:
-    """Frames into stage 0 of ``pipeline_id`` whose results go to ``reply_to``."""
+def _flood(client: WorkerClient, pipeline_id: str, reply_to: str, frames: int,
+           key: bytes = b"") -> None:
+    """Frames into stage 0 of ``pipeline_id`` (whose key is ``key``) whose results go to
+    ``reply_to``."""
     sender = client.sender()
     x = np.ones((1, WIDE), np.float32)
     for i in range(frames):
-        for msg in split_frame(FrameHeader(pipeline_id, "", 0, 0, 10_000 + i, reply_to),
-                               {"x": x}):
+        for msg in split_frame(FrameHeader(pipeline_id, "", 0, 0, 10_000 + i, reply_to,
+                                           key=key), {"x": x}):
             sender.send(msg, timeout=30)
     sender.close()
 
@@ -62,15 +64,17 @@ def _flood(client: WorkerClient, pipeline_id: str, reply_to: str, frames: int) -
 def test_a_silent_subscriber_costs_only_itself(cluster: Cluster,
                                                mlp_root: pathlib.Path) -> None:
     """Two pipelines over the same two workers. A silent subscriber of one of them, flooded,
-    is dropped with an error it sees; both pipelines keep serving their own callers."""
+    is dropped with an error it sees; both pipelines keep serving their own callers. (The
+    subscriber holds the pipeline's key, as a buggy or stalled coordinator of its own would:
+    without it, Subscribe is refused, see test_pipeline_keys.py.)"""
     victim = cluster.deploy(mlp(), stages=2, platforms=("cpu",))
     flooded = cluster.deploy(wide_model(), stages=2, platforms=("cpu",))
     with victim, flooded:
         assert [c.address for c in victim.clients] == [c.address for c in flooded.clients]
         last = WorkerClient(flooded.clients[1].address)
-        silent = last.subscribe(flooded.pipeline_id, "attacker")
+        silent = last.subscribe(flooded.pipeline_id, "attacker", flooded.key)
         first = WorkerClient(flooded.clients[0].address)
-        _flood(first, flooded.pipeline_id, "attacker", frames=64)
+        _flood(first, flooded.pipeline_id, "attacker", frames=64, key=flooded.key)
         # The flooded stage kept going, so the victim and the flooded pipeline's own caller are
         # served; before, each waited out the 30 s publish timeout on the silent subscriber.
         x = np.random.default_rng(0).standard_normal((4, D)).astype(np.float32)

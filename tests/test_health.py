@@ -5,6 +5,7 @@ worker processes on loopback port 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -45,14 +46,21 @@ class WorkerProcess:
     log_path: str
 
     def stop(self) -> int:
-        """SIGTERM, then the exit status (SIGKILL after 60 s)."""
+        """SIGTERM, then the exit status. A worker still running after 60 s is asked for its
+        threads' stacks (SIGUSR1), killed, and reported with the end of its log."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
             return self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=2)
             self.process.kill()
-            raise
+            self.process.wait()
+            with open(self.log_path) as f:
+                raise AssertionError(f"worker did not exit 60 s after SIGTERM; its log ends:\n"
+                                     f"{f.read()[-8000:]}") from None
 
 
 def start_worker(*args: str, timeout: float = 120.0) -> WorkerProcess:
@@ -280,3 +288,39 @@ def test_error_health_port_in_use(workers: list[WorkerProcess]) -> None:
                           timeout=120, check=False)
     assert proc.returncode == 2
     assert f"cannot listen on {w.health} (--health-listen): " in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A shutdown that cannot hang, and stacks on demand
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_worker_serves_on(
+        workers: list[WorkerProcess]) -> None:
+    workers.append(w := start_worker())
+    w.process.send_signal(signal.SIGUSR1)
+    channel, stub = _health(w.address)
+    with channel:
+        assert _check(stub) == SERVING  # the dump happened in the handler, before this reply
+    with open(w.log_path) as f:
+        log = f.read()
+    assert "(most recent call first):" in log  # faulthandler's heading, once per thread
+    assert "threading.py" in log  # the frames of the waiting threads
+
+
+def test_sigterm_at_once_after_ready_is_not_lost(workers: list[WorkerProcess]) -> None:
+    """The signal arrives as soon as the ready line is read: it exits 0 (``workers`` checks)."""
+    workers.append(start_worker())
+
+
+def test_a_stuck_shutdown_prints_stacks_and_exits_1() -> None:
+    """The watchdog armed at SIGTERM ends a process whose shutdown is stuck (here: a main
+    thread that waits forever) with every thread's stack and exit status 1."""
+    code = ("import threading\n"
+            "from jaxdist.worker.__main__ import _arm_shutdown_watchdog\n"
+            "_arm_shutdown_watchdog(0.5)\n"
+            "threading.Event().wait()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 1
+    assert "shutdown did not finish within 0.5 s of the signal" in proc.stderr
+    assert 'File "<string>", line 4' in proc.stderr  # the stuck main thread, named

@@ -428,14 +428,16 @@ def _push(client: WorkerClient, header: FrameHeader, x: np.ndarray) -> list[Tran
 def test_push_without_the_token_runs_nothing(pki, token_worker, mlp_root, which) -> None:
     pipe, good = token_worker.pipe, token_worker.pipe.clients[0]
     watch = uuid.uuid4().hex
-    sub = good.subscribe(pipe.pipeline_id, watch)
+    sub = good.subscribe(pipe.pipeline_id, watch, pipe.key)
     try:
         bad = _bad_client(pki, token_worker.address, which)
-        errors = _push(bad, FrameHeader(pipe.pipeline_id, "intruder", 0, 0, 1, watch), _x())
+        errors = _push(bad, FrameHeader(pipe.pipeline_id, "intruder", 0, 0, 1, watch,
+                                       key=pipe.key), _x())  # the key alone is not enough
         bad.close()
         assert errors and all("UNAUTHENTICATED" in str(e) for e in errors), errors
         x = _x()
-        assert _push(good, FrameHeader(pipe.pipeline_id, "", 0, 0, 2, watch), x) == []
+        assert _push(good, FrameHeader(pipe.pipeline_id, "", 0, 0, 2, watch, key=pipe.key),
+                     x) == []
         events = _events(sub, until_request=2)
     finally:
         sub.cancel()
@@ -451,10 +453,10 @@ def test_subscribe_without_the_token_takes_over_nothing(pki, token_worker, mlp_r
                                                          which) -> None:
     pipe, good = token_worker.pipe, token_worker.pipe.clients[0]
     victim = uuid.uuid4().hex
-    sub = good.subscribe(pipe.pipeline_id, victim)
+    sub = good.subscribe(pipe.pipeline_id, victim, pipe.key)
     try:
         bad = _bad_client(pki, token_worker.address, which)
-        stolen = bad.subscribe(pipe.pipeline_id, victim)
+        stolen = bad.subscribe(pipe.pipeline_id, victim, pipe.key)  # the key alone is not enough
         with pytest.raises(grpc.RpcError) as info:
             next(iter(stolen))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -462,7 +464,8 @@ def test_subscribe_without_the_token_takes_over_nothing(pki, token_worker, mlp_r
         bad.close()
         # A second Subscribe with the same reply_to would have ended ours: it still delivers.
         x = _x()
-        assert _push(good, FrameHeader(pipe.pipeline_id, "", 0, 0, 7, victim), x) == []
+        assert _push(good, FrameHeader(pipe.pipeline_id, "", 0, 0, 7, victim, key=pipe.key),
+                     x) == []
         (event,) = _events(sub, until_request=7)
     finally:
         sub.cancel()

@@ -315,7 +315,7 @@ def test_a_relay_between_workers_sees_frames_but_never_the_token(
     try:
         with token_cluster.deploy(mlp(), stages=2, platforms=("cpu",)) as pipe:
             spec = pipe.specs[0].replace(next_data_hop=relay.address)
-            token_cluster.clients[0].load_stage(spec, pipe.pipeline_id)
+            token_cluster.clients[0].load_stage(spec, pipe.pipeline_id, key=pipe.key)
             x = np.full((4, D), 0.25, np.float32)
             np.testing.assert_allclose(pipe.call({"x": x}, timeout=60)["x"],
                                        mlp_reference(mlp_root, x), rtol=1e-5, atol=1e-6)
@@ -337,7 +337,7 @@ def test_an_unreachable_data_port_names_the_next_hop(tcp_cluster: Cluster) -> No
                             platforms=("cpu",)) as pipe:
         nowhere = "127.0.0.1:1"  # nothing listens on port 1
         spec = pipe.specs[0].replace(next_data_hop=nowhere)
-        tcp_cluster.clients[0].load_stage(spec, pipe.pipeline_id)
+        tcp_cluster.clients[0].load_stage(spec, pipe.pipeline_id, key=pipe.key)
         with pytest.raises(RemoteStageError) as err:
             pipe.call({"x": _x()}, timeout=60)
         for client in tcp_cluster.clients[:2]:  # a broken pipeline leaves its stages loaded

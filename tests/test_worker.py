@@ -194,7 +194,7 @@ def test_artifact_upload_skipped_when_present_and_load_idempotent(cluster3):
     with cluster3.deploy(mlp(), stages=1) as pipe:
         spec = pipe.specs[0]
         assert client.has_artifact(spec.artifact_digest)
-        reply = client.load_stage(spec, pipe.pipeline_id)
+        reply = client.load_stage(spec, pipe.pipeline_id, key=pipe.key)
         assert reply.already_loaded
     assert not client.has_artifact("sha256:" + "0" * 64)
 

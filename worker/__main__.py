@@ -7,23 +7,39 @@ ports; they come after it so that a reader waiting for the first line finds it f
 gRPC health
 turns ``SERVING``. SIGTERM (or SIGINT) turns health ``NOT_SERVING``, drains
 in-flight frames, then exits 0, at once even while a stage compiles (the load is abandoned).
+A shutdown that has not finished :data:`SHUTDOWN_DEADLINE_S` after the signal prints every
+thread's stack to stderr and exits 1; ``kill -USR1 PID`` prints them at any time.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import re
+import select
 import signal
+import socket
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from jaxdist.core import codec
 from jaxdist.core import config as jd_config
 from jaxdist.core.about import version_line
 from jaxdist.core.errors import JaxdistError
 from jaxdist.worker.limits import MAX_ID_BYTES
+
+if TYPE_CHECKING:  # gRPC is imported after logging is set up
+    from jaxdist.core.transport.trust import HopPattern
+
+DRAIN_TIMEOUT_S = 30.0
+"""How long SIGTERM waits for in-flight frames to leave."""
+SHUTDOWN_DEADLINE_S = DRAIN_TIMEOUT_S + 15.0
+"""From SIGTERM to exit at most: the drain, then the servers' stop (2 s of grace) and the
+release of stages, sessions and files. Past it the shutdown is stuck (a thread that cannot be
+stopped): the worker prints every thread's stack and exits 1 rather than hang."""
 
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -56,7 +72,7 @@ def _data_listen(text: str) -> str:
 
 
 def _allowed_custom_calls(patterns: list[str]) -> frozenset[str]:
-    from jaxdist.core.vetting import DEFAULT_CUSTOM_CALL_ALLOWLIST  # noqa: PLC0415
+    from jaxdist.core.vetting import DEFAULT_CUSTOM_CALL_ALLOWLIST
 
     for pattern in patterns:
         if not pattern.strip() or pattern.strip("*?") == "":
@@ -68,6 +84,16 @@ def _allowed_custom_calls(patterns: list[str]) -> frozenset[str]:
             "custom call targets allowed beyond the default: %s (artifacts may run this native "
             "code on buffers XLA does not check)", ", ".join(patterns))
     return DEFAULT_CUSTOM_CALL_ALLOWLIST | frozenset(patterns)
+
+
+def _peer_pattern(text: str) -> HopPattern:
+    """``--peer-allow``: a next-hop pattern (``transport.trust.parse_hop_pattern``)."""
+    from jaxdist.core.transport.trust import parse_hop_pattern
+
+    try:
+        return parse_hop_pattern(text)
+    except JaxdistError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,6 +168,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     auth.add_argument("--tls-ca", default=None, metavar="PEM",
                       help="mutual TLS: require client certificates signed by this CA; also "
                            "verifies the next hops' certificates")
+    auth.add_argument("--peer-allow", action="append", default=[], type=_peer_pattern,
+                      metavar="PATTERN",
+                      help="next hops a LoadStage may name beyond loopback: HOST, HOST:PORT, "
+                           "a CIDR such as 10.0.0.0/8, or '*' (repeatable). With mutual TLS "
+                           "(--tls-cert, --tls-key, --tls-ca) every hop is verified against the "
+                           "CA instead and this is not needed; other hops are refused")
+    auth.add_argument("--insecure-token", action="store_true",
+                      help="let this worker send its --token-file token in plaintext to an "
+                           "allowed next hop that is not loopback (without it such a hop is "
+                           "refused; anyone on the path can read the token)")
     ops = p.add_argument_group(
         "health and metrics", "plaintext ports without credentials, off by default; bind them to "
         "loopback or a private network (see SECURITY.md)")
@@ -172,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after logging is set up: importing jax is slow and may log.
     from jaxdist.core.transport import security
+    from jaxdist.core.transport.trust import PeerTrust
     from jaxdist.worker.server import create_server, raise_fd_limit
     from jaxdist.worker.servicer import WorkerConfig
 
@@ -209,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                               max_subscriber_events=opts.max_subscriber_events,
                               max_subscriber_bytes=opts.max_subscriber_bytes,
                               peer_auth=security.client_auth(**files),
+                              peer_trust=PeerTrust(opts.peer_allow,
+                                                   insecure_token=opts.insecure_token),
                               kernels=not opts.no_kernels,
                               kernel_threads=opts.kernel_threads,
                               allowed_custom_calls=_allowed_custom_calls(opts.allow_custom_call))
@@ -253,37 +292,77 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("jaxdist.worker").warning(
                 "--weights-root %s is not a directory (yet): weight URIs under it are refused "
                 "until it exists", root)
-    stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    wake = _SignalWakeup(signal.SIGTERM, signal.SIGINT)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, to stderr
     servicer.health.set_serving()
     print(f"jaxdist-worker listening on {address} device={servicer.device_name}", flush=True)
     for line in ports:
         print(line, flush=True)
-    stop.wait()
-    drained = servicer.drain(timeout=30)  # health turns NOT_SERVING first
+    wake.wait()
+    _arm_shutdown_watchdog(SHUTDOWN_DEADLINE_S)
+    log = logging.getLogger("jaxdist.worker")
+    drained = servicer.drain(timeout=DRAIN_TIMEOUT_S)  # health turns NOT_SERVING first
     servicer.hub.shutdown()  # ends the coordinators' subscriptions, so the grace period is short
-    server.stop(grace=2).wait()
+    if not server.stop(grace=2).wait(timeout=10):
+        log.warning("the gRPC server did not stop within 10 s; going on with the shutdown")
     servicer.close()
     servicer.health.close()  # the --health-listen port answers NOT_SERVING until here
     if metrics is not None:
         metrics.close()
     if not drained:
-        logging.getLogger("jaxdist.worker").warning("shut down with frames still in flight")
+        log.warning("shut down with frames still in flight")
     if len(servicer.loads):
         # A load thread may be inside an XLA compile, which cannot be stopped, and the
         # interpreter would wait for it at exit; its stage is discarded anyway (worker/loads.py).
-        logging.getLogger("jaxdist.worker").warning(
-            "exiting while %d LoadStage calls are still compiling or binding; they are "
-            "abandoned", len(servicer.loads))
+        log.warning("exiting while %d LoadStage calls are still compiling or binding; they are "
+                    "abandoned", len(servicer.loads))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+class _SignalWakeup:
+    """Catches ``signums``; :meth:`wait` blocks until one has arrived (main thread only).
+
+    The C-level handler writes the signal to a socket (``signal.set_wakeup_fd``) and the Python
+    handler does nothing, so no lock is taken inside a handler (a handler setting a
+    ``threading.Event`` deadlocks when it interrupts the main thread inside that event's own
+    ``wait``), and a signal that arrives before the wait is not lost."""
+
+    def __init__(self, *signums: signal.Signals) -> None:
+        self._signums = set(signums)
+        self._reader, self._writer = socket.socketpair()  # both live as long as this object
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)
+        signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        for signum in signums:
+            signal.signal(signum, lambda _signum, _frame: None)
+
+    def wait(self) -> None:
+        while True:
+            select.select([self._reader], [], [])
+            try:
+                if self._signums.intersection(self._reader.recv(64)):
+                    return
+            except BlockingIOError:
+                continue
+
+
+def _arm_shutdown_watchdog(deadline_s: float) -> None:
+    """Exit 1, after printing every thread's stack, if the process still runs ``deadline_s``
+    from now (a daemon thread: it keeps running while the interpreter joins the others)."""
+    def watch() -> None:
+        if not done.wait(deadline_s):
+            logging.getLogger("jaxdist.worker").error(
+                "shutdown did not finish within %g s of the signal; the threads' stacks "
+                "follow, then exit 1", deadline_s)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+            os._exit(1)
+
+    done = threading.Event()  # never set: the process ends first
+    threading.Thread(target=watch, name="shutdown-watchdog", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from jaxdist.core.errors import SessionError
+from jaxdist.core.errors import PipelineKeyError, SessionError
 from jaxdist.core.runtime import StageRuntime
 from jaxdist.core.transport.frames import FrameAssembler, FrameHeader, FrameView, header_of
 from jaxdist.worker.limits import FrameBudget, check_ids
@@ -42,6 +42,7 @@ class IngressWorker(Protocol):
     @property
     def draining(self) -> bool: ...
     def runtime_for(self, pipeline_id: str, stage: int) -> StageRuntime | None: ...
+    def key_matches(self, pipeline_id: str, key: bytes) -> bool: ...
     async def report(self, header: FrameHeader | Any, exc: BaseException) -> None: ...
 
 
@@ -63,11 +64,23 @@ class FrameIngress:
     async def take(self, msg: FrameView) -> None:
         """Take one message of the stream; when it completes a frame, run the frame (waits
         while the stage's egress is full: back-pressure on this stream). Never raises for a bad
-        frame: it is reported to the frame's caller."""
+        frame: it is reported to the frame's caller.
+
+        Raises:
+            PipelineKeyError: the message is for a loaded pipeline but lacks its key; the
+                stream ends (nothing is reported to the pipeline's own subscription, which a
+                sender without the key must not be able to reach).
+        """
         self.messages += 1
         worker, cfg = self._worker, self._worker.config
         header = header_of(msg.msg)
         runtime = worker.runtime_for(header.pipeline_id, header.stage)
+        if runtime is not None and not worker.key_matches(header.pipeline_id, header.key):
+            raise PipelineKeyError(
+                f"frame for pipeline {header.pipeline_id[:64]!r} stage {header.stage} on worker "
+                f"{worker.address}: the pipeline key presented "
+                f"({'none' if not header.key else f'{len(header.key)} bytes'}) is not its key; "
+                f"the pipeline was loaded by another coordinator")
         try:
             if worker.draining:
                 raise SessionError(f"worker {worker.address} is shutting down; frame of "

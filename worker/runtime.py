@@ -27,6 +27,8 @@ from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport import wire
 from jaxdist.core.transport.channel import AsyncFrameSender, make_aio_channel
 from jaxdist.core.transport.frames import FrameHeader, result_events, split_frame
+from jaxdist.core.transport.security import ClientAuth
+from jaxdist.core.transport.trust import PeerTrust, check_hop, peer_credentials
 from jaxdist.proto import jaxdist_pb2 as pb
 
 __all__ = ["HEARTBEAT", "GrpcRoute", "Hub", "PeerPool", "Subscription", "publish_failure"]
@@ -172,24 +174,34 @@ class PeerPool:
     """The channels of this worker to its stages' next hops, one per address, and the ``Push``
     streams open on them (one per pipeline edge, owned by its :class:`GrpcRoute`). Used on the
     loop only, except :meth:`close`.
+
+    A channel is opened only to a hop the trust policy allows (``transport.trust.check_hop``),
+    with the credentials it chooses for that hop (``transport.trust.peer_credentials``).
     """
 
-    def __init__(self, metadata: tuple[tuple[str, str], ...] = (),
-                 credentials: Any = None) -> None:
+    def __init__(self, auth: ClientAuth | None = None, trust: PeerTrust | None = None) -> None:
         self._streams: set[AsyncFrameSender] = set()
-        self._channels: dict[str, Any] = {}
-        self._metadata = metadata
-        self._credentials = credentials
+        self._channels: dict[str, tuple[Any, tuple[tuple[str, str], ...]]] = {}
+        self._auth = auth or ClientAuth()
+        self._trust = trust or PeerTrust()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def open_stream(self, address: str) -> AsyncFrameSender:
-        """A new ``Push`` stream to ``address``; :meth:`release` it when done."""
+    def open_stream(self, address: str, *, stage: str = "") -> AsyncFrameSender:
+        """A new ``Push`` stream to ``address``; :meth:`release` it when done.
+
+        Raises:
+            AuthError: the trust policy refuses ``address`` (``stage`` names the stage in the
+                message); nothing is dialled.
+        """
         self._loop = asyncio.get_running_loop()
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = make_aio_channel(address, credentials=self._credentials)
-            self._channels[address] = channel
-        stream = AsyncFrameSender(wire.push_method(channel), address, metadata=self._metadata)
+        decision = check_hop(address, self._auth, self._trust, stage=stage or "a stage")
+        known = self._channels.get(address)
+        if known is None:
+            credentials, metadata = peer_credentials(decision, self._auth)
+            known = make_aio_channel(address, credentials=credentials), metadata
+            self._channels[address] = known
+        channel, metadata = known
+        stream = AsyncFrameSender(wire.push_method(channel), address, metadata=metadata)
         self._streams.add(stream)
         return stream
 
@@ -201,7 +213,8 @@ class PeerPool:
     def close(self) -> None:
         """Finish every stream and close the channels (from any thread)."""
         async def close_all() -> None:
-            streams, channels = list(self._streams), list(self._channels.values())
+            streams = list(self._streams)
+            channels = [channel for channel, _ in self._channels.values()]
             self._streams.clear()
             self._channels.clear()
             for s in streams:
@@ -243,7 +256,9 @@ class GrpcRoute:
                 if sender is not None:
                     sender.cancel()
                     await self._peers.release(sender)
-                sender = self._stream = self._peers.open_stream(spec.next_hop)
+                sender = self._stream = self._peers.open_stream(
+                    spec.next_hop, stage=f"stage {spec.stage_index} of pipeline "
+                                         f"{self._pipeline_id[:64]}")
             try:
                 await sender.send_frame(split_frame(header, outputs), timeout=SEND_TIMEOUT_S)
             except TransportError as exc:

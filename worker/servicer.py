@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import hmac
 import json
 import logging
 import threading
@@ -29,7 +30,14 @@ import psutil
 
 import jaxdist
 from jaxdist.core import artifacts, codec, devices, heap, kernels
-from jaxdist.core.errors import ArtifactError, JaxdistError, LimitError, SpecError, TransportError
+from jaxdist.core.errors import (
+    ArtifactError,
+    JaxdistError,
+    LimitError,
+    PipelineKeyError,
+    SpecError,
+    TransportError,
+)
 from jaxdist.core.runtime import StageRuntime, remote_error
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.spec import SPEC_VERSION, StageSpec, validate
@@ -38,6 +46,7 @@ from jaxdist.core.store import LocalStore
 from jaxdist.core.transport import status, wire
 from jaxdist.core.transport.frames import FrameView
 from jaxdist.core.transport.security import ClientAuth
+from jaxdist.core.transport.trust import PeerTrust, check_hop
 from jaxdist.core.weights import WeightCache
 from jaxdist.core.weights.uri import clip
 from jaxdist.proto import jaxdist_pb2 as pb
@@ -85,6 +94,9 @@ class WorkerConfig:
     devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
     # Token and TLS this worker presents when it dials its next hops (security.client_auth)
     peer_auth: ClientAuth = field(default_factory=ClientAuth)
+    # The next hops it may send to beyond loopback and its cluster's CA (--peer-allow), and
+    # whether its token may go to them in plaintext (--insecure-token): transport/trust.py
+    peer_trust: PeerTrust = field(default_factory=PeerTrust)
     kernels: bool = True                              # register the CPU kernels (cpu workers)
     kernel_threads: int = 0                           # threads per kernel call; 0: XLA's pool
 
@@ -103,6 +115,9 @@ def _failure(exc: BaseException, context: grpc.ServicerContext | grpc.aio.Servic
     context.set_trailing_metadata((("jaxdist-error-type", type(exc).__name__),))
     return status.code_for(exc)
 
+
+MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 64
+"""The size of a pipeline key (``LoadStageRequest.pipeline_key``); coordinators send 32."""
 
 LEASE_PERIOD_S = 1.0
 """How often leases are checked."""
@@ -139,7 +154,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.cache = WeightCache(config.weights_roots)
         self.registry = LocalStore(config.artifact_cache)
         self.hub = Hub(config.max_subscriber_events, config.max_subscriber_bytes)
-        self.peers = PeerPool(config.peer_auth.metadata, config.peer_auth.credentials)
+        self.peers = PeerPool(config.peer_auth, config.peer_trust)
         self._all_devices = list(config.devices) if config.devices is not None else None
         # The worker's own directive narrows what stages may ask for.
         self.device = devices.resolve_device(config.device, self._all_devices)
@@ -163,6 +178,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._lock = threading.Lock()
         # pipeline -> [lease seconds, when it was last seen subscribed]; see _watch_leases
         self._leases: dict[str, list[float]] = {}
+        # pipeline -> its key (LoadStageRequest.pipeline_key), while a stage of it is loaded
+        self._keys: dict[str, bytes] = {}
         threading.Thread(target=self._watch_leases, name="lease-watch", daemon=True).start()
         self._draining = threading.Event()
         self.health = WorkerHealth()  # grpc.health.v1; server.py serves it
@@ -208,6 +225,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     del self._leases[pipeline_id]
                     keys = [k for k in self._stages if k[0] == pipeline_id]
                     runtimes = [self._stages.pop(k) for k in keys]
+                    self._forget_keys()
                 for rt in runtimes:
                     rt.stop()
                 if runtimes:
@@ -335,6 +353,34 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             else:
                 self._leases.pop(pipeline_id, None)
 
+    def _forget_keys(self) -> None:
+        """Drop the keys of pipelines with no stage left here (under ``_lock``)."""
+        for pipeline_id in set(self._keys) - {k[0] for k in self._stages}:
+            del self._keys[pipeline_id]
+
+    def key_matches(self, pipeline_id: str, key: bytes) -> bool:
+        """Whether ``key`` is ``pipeline_id``'s key; a pipeline loaded nowhere here has none,
+        and matches nothing but the empty key. Compared in constant time."""
+        return hmac.compare_digest(self._keys.get(pipeline_id, b""), key)
+
+    def _check_key(self, what: str, pipeline_id: str, key: bytes) -> None:
+        """Raise unless ``key`` opens ``pipeline_id`` (a pipeline not loaded here: any key; a
+        subscription to it is checked again on each event)."""
+        if pipeline_id in self._keys and not self.key_matches(pipeline_id, key):
+            raise PipelineKeyError(
+                f"{what}: pipeline {clip(pipeline_id, 64)!r} on worker {self.address} was "
+                f"loaded by another coordinator; the pipeline key presented "
+                f"({'none' if not key else f'{len(key)} bytes'}) is not its key. The worker "
+                f"token alone opens only shared pipelines (jaxdist deploy)")
+
+    def _check_hops(self, spec: StageSpec, pipeline_id: str) -> None:
+        """Refuse, before anything is loaded or dialled, a stage whose next hops this worker may
+        not send its frames and credentials to (``transport.trust.check_hop``)."""
+        stage = f"LoadStage: stage {spec.stage_index} of pipeline {clip(pipeline_id, 64)!r}"
+        for hop in (spec.next_hop, spec.next_data_hop):
+            if hop:
+                check_hop(hop, self.config.peer_auth, self.config.peer_trust, stage=stage)
+
     def _load_stage(self, data: bytes, load: Load) -> pb.LoadStageReply | None:
         """LoadStage's work, in a load thread; ``load`` records each phase for ``Info``.
         ``None``: the load was abandoned, and nothing of it is kept."""
@@ -352,11 +398,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         check_ids("LoadStage", self.config.max_id_bytes, pipeline_id=request.pipeline_id,
                   stage_id=spec.stage_id, model=spec.model)
         validate(spec)
+        self._check_hops(spec, request.pipeline_id or spec.stage_id)
         if len(spec.buckets) > self.config.max_compiled_shapes:
             raise LimitError(f"LoadStage: stage {spec.stage_index} has {len(spec.buckets)} "
                              f"buckets to compile, over the limit of this worker "
                              f"(--max-compiled-shapes={self.config.max_compiled_shapes})")
         pipeline_id = request.pipeline_id or spec.stage_id.split("/")[0] or "default"
+        if request.pipeline_key and not MIN_KEY_BYTES <= len(request.pipeline_key) <= MAX_KEY_BYTES:
+            raise SpecError(f"LoadStage: pipeline_key of pipeline {clip(pipeline_id, 64)!r} is "
+                            f"{len(request.pipeline_key)} bytes; expected none (a shared "
+                            f"pipeline) or {MIN_KEY_BYTES} to {MAX_KEY_BYTES} random bytes")
+        with self._lock:
+            self._check_key("LoadStage", pipeline_id, request.pipeline_key)
         key = (pipeline_id, spec.stage_index)
         stage_id = spec.stage_id or f"{pipeline_id}/{spec.stage_index}"
         load.describe(stage_id, pipeline_id, spec.stage_index)
@@ -394,7 +447,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         route: GrpcRoute | TcpRoute
         if stage.spec.next_data_hop:
             route = TcpRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub,
-                             auth=self.config.peer_auth, address=self.address)
+                             auth=self.config.peer_auth, address=self.address,
+                             trust=self.config.peer_trust)
         else:
             route = GrpcRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub,
                               peers=self.peers, address=self.address)
@@ -407,9 +461,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if load.left:  # it finished after its caller left: nobody would use or unload it
                 discard = True
             else:
+                # Again under the lock: another coordinator may have loaded it meanwhile.
+                self._check_key("LoadStage", pipeline_id, request.pipeline_key)
                 discard = False
                 old = self._stages.pop(key, None)
                 self._stages[key] = runtime
+                self._keys[pipeline_id] = request.pipeline_key
         if discard:
             runtime.stop()
             del stage, runtime
@@ -433,6 +490,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     if request.stage_id in (rt.stage_id, rt.pipeline_id)]
             runtimes = [self._stages.pop(k) for k in keys]
             self._leases.pop(request.stage_id, None)
+            self._forget_keys()
         for rt in runtimes:
             rt.stop()
         return pb.UnloadStageReply(unloaded=bool(runtimes))
@@ -455,6 +513,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         check_ids("EndSession", self.config.max_id_bytes, pipeline_id=request.pipeline_id,
                   session_id=request.session_id)
         with self._lock:
+            self._check_key("EndSession", request.pipeline_id, request.pipeline_key)
             ids = [rt.stage_id for rt in self._stages.values()
                    if rt.pipeline_id == request.pipeline_id]
         freed, nbytes = self.sessions.end(request.session_id, ids)
@@ -517,6 +576,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sub = wire.parse_request(pb.SubscribeRequest, request)
             check_ids("Subscribe", self.config.max_id_bytes, pipeline_id=sub.pipeline_id,
                       reply_to=sub.reply_to)
+            self._check_key("Subscribe", sub.pipeline_id, sub.pipeline_key)
         except JaxdistError as exc:
             await context.abort(_failure(exc, context, "Subscribe"), str(exc))
             raise  # unreachable: abort raises
@@ -530,6 +590,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     if q.dropped is not None:  # it did not read: it hears why, once
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, q.dropped)
                     return
+                if sub.pipeline_id in self._keys and not self.key_matches(sub.pipeline_id,
+                                                                          sub.pipeline_key):
+                    # Subscribed before the pipeline was loaded, by another coordinator.
+                    refused = PipelineKeyError(
+                        f"Subscribe: pipeline {clip(sub.pipeline_id, 64)!r} was loaded on "
+                        f"worker {self.address} by another coordinator since this "
+                        f"subscription began; its key is not the one this subscription "
+                        f"presented")
+                    await context.abort(_failure(refused, context, "Subscribe"), str(refused))
                 if event is HEARTBEAT:
                     event = pb.Event(heartbeat=time.monotonic() - self.started)
                 yield event
@@ -564,6 +633,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         with self._lock:
             runtimes = list(self._stages.values())
             self._stages.clear()
+            self._keys.clear()
         for rt in runtimes:
             rt.stop()
         self.hub.shutdown()

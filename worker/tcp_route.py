@@ -28,6 +28,7 @@ from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport import stream
 from jaxdist.core.transport.frames import FrameHeader, split_frame
 from jaxdist.core.transport.security import ClientAuth
+from jaxdist.core.transport.trust import PeerTrust, check_hop
 from jaxdist.worker.runtime import SEND_TIMEOUT_S, Hub, publish_failure
 
 __all__ = ["TcpRoute"]
@@ -88,14 +89,17 @@ class TcpRoute:
         hub: the worker's subscriptions (a frame's errors go to its caller there).
         auth: this worker's token and TLS towards its next hops (``WorkerConfig.peer_auth``).
         address: this worker's address, for error reports.
+        trust: the next hops this worker may dial (``WorkerConfig.peer_trust``), checked
+            before each connection is opened.
     """
 
     wants_host = True
     kind = "tcp"
 
     def __init__(self, spec: StageSpec, *, pipeline_id: str, hub: Hub, auth: ClientAuth,
-                 address: str) -> None:
+                 address: str, trust: PeerTrust | None = None) -> None:
         self._spec = spec
+        self._trust = trust or PeerTrust()
         self._pipeline_id = pipeline_id
         self._hub = hub
         self._auth = auth
@@ -113,6 +117,8 @@ class TcpRoute:
         host, _, port = hop.rpartition(":")
         host = host.removeprefix("[").removesuffix("]")
         context = self._auth.ssl_context
+        check_hop(hop, self._auth, self._trust, stage=f"stage {self._spec.stage_index} of "
+                                                      f"pipeline {self._pipeline_id[:64]}")
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 reader, writer = await asyncio.open_connection(

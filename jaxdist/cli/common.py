@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # gRPC is imported only by the verbs that dial workers
     from jaxdist.coordinator.cluster import Cluster
     from jaxdist.core.transport.security import ClientAuth
 
-__all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "auth_files", "client_auth_of",
-           "open_cluster", "parse_workers"]
+__all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "auth_files", "client_args_of",
+           "client_auth_of", "open_cluster", "parse_workers"]
 
 
 def add_auth_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +38,10 @@ def add_auth_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     g.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="connect with TLS and verify the workers' certificates against this CA")
+    g.add_argument("--insecure-token", action="store_true",
+                   help="send --token-file's token even in plaintext to workers whose address "
+                        "is not loopback (refused without it: anyone on the path can read it; "
+                        "use --tls-ca instead)")
 
 
 def auth_files(opts: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +55,14 @@ def client_auth_of(opts: argparse.Namespace) -> ClientAuth:
     from jaxdist.core.transport.security import client_auth  # noqa: PLC0415
 
     return client_auth(**auth_files(opts))
+
+
+def client_args_of(opts: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``WorkerClient`` and ``Cluster`` the credential options ask
+    for: ``metadata``, ``credentials`` and ``insecure_token``."""
+    auth = client_auth_of(opts)
+    return {"metadata": auth.metadata, "credentials": auth.credentials,
+            "insecure_token": bool(getattr(opts, "insecure_token", False))}
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -115,10 +127,9 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
         if re.fullmatch(r"[0-9]+", spares, re.ASCII):
             raise JaxdistError(f"--spares {spares}: with --workers, give the spares' addresses "
                                f"(HOST:PORT,...); a count is for --local")
-        auth = client_auth_of(opts)
         cluster = Cluster.connect(addresses, heartbeat_timeout=opts.heartbeat_timeout,
-                                  metadata=auth.metadata, credentials=auth.credentials,
-                                  spares=[a.strip() for a in spares.split(",") if a.strip()])
+                                  spares=[a.strip() for a in spares.split(",") if a.strip()],
+                                  **client_args_of(opts))
     else:
         if spares and not re.fullmatch(r"[0-9]{1,3}", spares, re.ASCII):
             raise JaxdistError(f"--spares {spares!r}: with --local, give a number of spare "
@@ -186,7 +197,9 @@ def ray_cluster(opts: argparse.Namespace, weights_roots: Sequence[str], spares: 
     return Cluster.ray(n, resources=bundle, spares=n_spares, strategy=opts.ray_strategy,
                        address=opts.ray or None, placement_timeout=opts.ray_timeout,
                        weights_roots=[os.fspath(r) for r in weights_roots],
-                       heartbeat_timeout=opts.heartbeat_timeout, **auth_files(opts))
+                       heartbeat_timeout=opts.heartbeat_timeout,
+                       insecure_token=bool(getattr(opts, "insecure_token", False)),
+                       **auth_files(opts))
 
 
 def parse_workers(text: str) -> list[str]:

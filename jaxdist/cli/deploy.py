@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from jaxdist.cli.common import ProgressBar, add_auth_args, client_auth_of
+from jaxdist.cli.common import ProgressBar, add_auth_args, client_args_of
 from jaxdist.core.errors import JaxdistError, SpecError
 from jaxdist.registry.manifest import open_manifest
 
@@ -63,9 +63,7 @@ def run_deploy(opts: argparse.Namespace) -> int:
 
     manifest, digest, store = open_manifest(opts.manifest, opts.registry)
     t0 = time.perf_counter()
-    auth = client_auth_of(opts)
-    cluster = Cluster.connect(_addresses(opts.workers), metadata=auth.metadata,
-                              credentials=auth.credentials)
+    cluster = Cluster.connect(_addresses(opts.workers), **client_args_of(opts))
     try:
         with ProgressBar() as bar:
             pipe = cluster.deploy_manifest(manifest, registry=store, model_path=opts.model_path,
@@ -94,11 +92,10 @@ def run_deploy(opts: argparse.Namespace) -> int:
 def run_unload(opts: argparse.Namespace) -> int:
     from jaxdist.core.transport.client import WorkerClient  # noqa: PLC0415
 
-    auth = client_auth_of(opts)
+    args = client_args_of(opts)
     unloaded = []
     for address in _addresses(opts.workers):
-        client = WorkerClient(address, timeout=opts.timeout, metadata=auth.metadata,
-                              credentials=auth.credentials)
+        client = WorkerClient(address, timeout=opts.timeout, **args)
         try:
             client.wait_ready(opts.timeout)
             if client.unload_stage(opts.pipeline_id):

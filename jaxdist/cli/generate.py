@@ -207,14 +207,14 @@ def load_for(opts: argparse.Namespace) -> tuple[str, list[str], LoadedModel]:
 
 def _plan_on_worker(opts: argparse.Namespace, path: str, lm_options: dict[str, Any]
                     ) -> LoadedModel:
-    from jaxdist.cli.common import client_auth_of, parse_workers  # noqa: PLC0415
+    from jaxdist.cli.common import client_args_of, parse_workers  # noqa: PLC0415
     from jaxdist.coordinator.remote import WorkerHeaders  # noqa: PLC0415
     from jaxdist.core.transport.client import WorkerClient  # noqa: PLC0415
 
     first = parse_workers(opts.workers)[0]
-    auth = client_auth_of(opts)
+    args = client_args_of(opts)
     print(f"planning {path} from the disk of worker {first}", file=sys.stderr)
-    client = WorkerClient(first, metadata=auth.metadata, credentials=auth.credentials)
+    client = WorkerClient(first, **args)
     try:
         return load_model_from(WorkerHeaders(client), path, **lm_options)
     finally:

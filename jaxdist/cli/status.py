@@ -19,7 +19,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from jaxdist.cli.common import add_auth_args, client_auth_of, fmt_bytes
+from jaxdist.cli.common import add_auth_args, client_args_of, fmt_bytes
 from jaxdist.core.errors import JaxdistError
 
 __all__ = ["add_parser"]
@@ -64,11 +64,10 @@ def run(opts: argparse.Namespace) -> int:
         raise JaxdistError("status needs --workers HOST:PORT[,HOST:PORT...]")
     from jaxdist.core.transport.client import WorkerClient  # noqa: PLC0415 - gRPC only here
 
-    auth = client_auth_of(opts)
+    args = client_args_of(opts)
     replies = []
     for a in addresses:
-        c = WorkerClient(a, timeout=opts.timeout, metadata=auth.metadata,
-                         credentials=auth.credentials)
+        c = WorkerClient(a, timeout=opts.timeout, **args)
         try:
             c.wait_ready(opts.timeout)
             replies.append(c.info())

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from jaxdist.coordinator.loading import LoadInterrupted, load_stages
+from jaxdist.coordinator.loading import LoadInterrupted, load_stages, new_pipeline_key
 from jaxdist.coordinator.pipeline import Pipeline, Session
 from jaxdist.coordinator.spawn import LocalWorker, spawn_workers, stop_workers
 from jaxdist.core import codec, kernels
@@ -77,6 +77,9 @@ class Cluster:
         heartbeat_timeout: a worker silent for this long is declared frozen or gone.
         metadata: call metadata sent with every call (e.g. a bearer token).
         credentials: TLS channel credentials.
+        insecure_token: allow the token in ``metadata`` to go in plaintext to workers whose
+            address is not loopback (the CLI's ``--insecure-token``); without it, and without
+            ``credentials``, such a worker is refused with an ``AuthError`` naming its address.
         spares: ``HOST:PORT`` of spare workers. They get no stage at deploy; when a worker of a
             pipeline dies, :meth:`Pipeline.recover` moves its stages to a spare.
         lease_s: the stages this cluster loads are leased for this long: a worker unloads them
@@ -93,19 +96,19 @@ class Cluster:
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, metadata: tuple[tuple[str, str], ...] = (),
                  credentials: grpc.ChannelCredentials | None = None,
-                 spares: Sequence[str] = (), lease_s: float = LEASE_S) -> None:
+                 spares: Sequence[str] = (), lease_s: float = LEASE_S,
+                 insecure_token: bool = False) -> None:
         if not addresses:
             raise TransportError("a cluster needs at least one worker address")
         both = sorted(set(addresses) & set(spares))
         if both:
             raise TransportError(f"workers {both} are given both as workers and as spares")
-        self.clients = [WorkerClient(a, timeout=timeout, metadata=metadata,
-                                     credentials=credentials) for a in addresses]
-        self.spare_clients = [WorkerClient(a, timeout=timeout, metadata=metadata,
-                                           credentials=credentials) for a in spares]
-        self._spare_lock = threading.Lock()
         self._client_args: dict[str, Any] = {"timeout": timeout, "metadata": metadata,
-                                             "credentials": credentials}
+                                             "credentials": credentials,
+                                             "insecure_token": insecure_token}
+        self.clients = [WorkerClient(a, **self._client_args) for a in addresses]
+        self.spare_clients = [WorkerClient(a, **self._client_args) for a in spares]
+        self._spare_lock = threading.Lock()
         self.heartbeat_timeout = heartbeat_timeout
         self.lease_s = lease_s
         self._local: list[LocalWorker] = []
@@ -152,7 +155,8 @@ class Cluster:
         ``tls_cert``, ``tls_key`` and ``tls_ca`` are also the cluster's own credentials.
         """
         ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout",
-                                                           "lease_s") if k in kwargs}
+                                                           "lease_s", "insecure_token")
+                                if k in kwargs}
         auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
                                                        "tls_ca") if kwargs.get(k)})
         ctor.update(metadata=auth.metadata, credentials=auth.credentials)
@@ -213,7 +217,8 @@ class Cluster:
         if spares < 0:
             raise TransportError(f"spares={spares}: expected a number of spare workers >= 0")
         ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout",
-                                                           "lease_s") if k in kwargs}
+                                                           "lease_s", "insecure_token")
+                                if k in kwargs}
         auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
                                                        "tls_ca") if kwargs.get(k)})
         ctor.update(metadata=auth.metadata, credentials=auth.credentials)
@@ -438,24 +443,28 @@ class Cluster:
         specs = [spec.replace(device=device, stage_id=f"{pipeline_id}/{k}")
                  for k, spec in enumerate(built)]
         lease_s = self.lease_s if lease_s is None else lease_s
-        specs = self.load_stages(pipeline_id, specs, placed, fetch, progress, lease_s=lease_s)
+        # Pinned stages are shared (jaxdist deploy: any holder of the token attaches to them);
+        # others are this coordinator's alone.
+        key = b"" if lease_s == 0 else new_pipeline_key()
+        specs = self.load_stages(pipeline_id, specs, placed, fetch, progress, lease_s=lease_s,
+                                 key=key)
         pipe = Pipeline(self, pipeline_id, specs, placed,
                         heartbeat_timeout=self.heartbeat_timeout, model=model, fetch=fetch,
-                        lease_s=lease_s)
+                        lease_s=lease_s, key=key)
         self._pipelines.append(pipe)
         return pipe
 
     def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
                     placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
-                    progress: Progress | None = None, *, lease_s: float | None = None
-                    ) -> list[StageSpec]:
+                    progress: Progress | None = None, *, lease_s: float | None = None,
+                    key: bytes = b"") -> list[StageSpec]:
         """Load stage k on ``placed[k]``, linked to the next stage's worker; all in parallel.
 
         Digest first: an artifact is fetched and uploaded only to a worker that lacks it. While
         the stages load, ``progress`` shows each one's live phase (uploading, loading,
         compiling, binding weights: :mod:`jaxdist.coordinator.loading`). When one stage fails,
         or on Ctrl-C or :meth:`interrupt`, the other calls are cancelled and the stages loaded
-        by this call are unloaded again.
+        by this call are unloaded again. ``key`` is the pipeline's key (empty: shared).
 
         Returns:
             The specs as loaded (their ``next_hop`` set).
@@ -471,7 +480,7 @@ class Cluster:
                               if k + 1 < len(specs) else "")
                  for k, spec in enumerate(specs)]
         shipped = load_stages(pipeline_id, specs, placed, fetch, progress, self._interrupted,
-                              self.lease_s if lease_s is None else lease_s)
+                              self.lease_s if lease_s is None else lease_s, key)
         self._loads[pipeline_id] = [
             StageLoad(k, placed[k].address, specs[k].artifact_digest, s.uploaded,
                       s.reply.already_loaded, s.reply.bind_s, s.reply.compile_s,

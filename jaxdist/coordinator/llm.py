@@ -51,6 +51,8 @@ class LLM:
         heartbeat_timeout: a silent worker is declared dead after this many seconds.
         token_file, tls_cert, tls_key, tls_ca: the workers' credentials (``SECURITY.md``);
             local workers are started with them.
+        insecure_token: allow the token in plaintext to running workers whose address is not
+            loopback (refused without it; see :class:`~jaxdist.coordinator.cluster.Cluster`).
         progress: ``progress(what, done, total)`` while the stages are exported and loaded.
 
     Raises:
@@ -72,7 +74,7 @@ class LLM:
                  quantized: bool = True, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                  token_file: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, tls_ca: str | None = None,
-                 progress: Progress | None = None) -> None:
+                 insecure_token: bool = False, progress: Progress | None = None) -> None:
         options: dict[str, Any] = {"max_seq": max_seq, "max_slots": slots, "dtype": dtype,
                                    "prefill_buckets": tuple(buckets)}
         if not quantized:
@@ -107,7 +109,8 @@ class LLM:
                 raise SpecError("LLM: with running workers, spares= lists their addresses")
             self.cluster = Cluster.connect(
                 list(workers), heartbeat_timeout=heartbeat_timeout,
-                spares=[] if isinstance(spares, int) else list(spares), **_client_auth(auth))
+                spares=[] if isinstance(spares, int) else list(spares),
+                insecure_token=insecure_token, **_client_auth(auth))
         try:
             if loaded is None:
                 assert model_path is not None

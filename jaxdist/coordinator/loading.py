@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,15 +79,26 @@ class _Stage:
     loading: bool = False       # its LoadStage call is in flight: the worker reports its phase
 
 
+PIPELINE_KEY_BYTES = 32
+
+
+def new_pipeline_key() -> bytes:
+    """A fresh pipeline key: the capability that opens a pipeline's stages on the workers
+    (``LoadStageRequest.pipeline_key``). Whoever holds only the worker token cannot reach a
+    pipeline loaded with a key: not its results, its frames, nor its sessions."""
+    return secrets.token_bytes(PIPELINE_KEY_BYTES)
+
+
 class _Run:
     """One :func:`load_stages`: the stages' phases, their calls, and the progress line."""
 
     def __init__(self, pipeline_id: str, specs: Sequence[StageSpec],
                  placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
                  progress: Callable[[str, int, int], None], interrupted: threading.Event,
-                 lease_s: float = 0.0) -> None:
+                 lease_s: float = 0.0, key: bytes = b"") -> None:
         self.pipeline_id = pipeline_id
         self.lease_s = lease_s
+        self.key = key
         self.specs = specs
         self.placed = placed
         self.fetch = fetch
@@ -114,7 +126,7 @@ class _Run:
         self.set(k, "load", loading=True)
         try:
             reply = self.run(k, client.start_load_stage(spec, self.pipeline_id,
-                                                           lease_s=self.lease_s))
+                                                           lease_s=self.lease_s, key=self.key))
         except ArtifactError as exc:  # name the exporting versions beside the worker's
             v = spec.versions
             raise ArtifactError(f"{exc} [stage {k} was exported with jax {v.jax}, jaxlib "
@@ -218,7 +230,8 @@ class _Run:
 
 def load_stages(pipeline_id: str, specs: Sequence[StageSpec], placed: Sequence[WorkerClient],
                 fetch: Callable[[str], bytes] | None, progress: Callable[[str, int, int], None],
-                interrupted: threading.Event, lease_s: float = 0.0) -> list[Shipped]:
+                interrupted: threading.Event, lease_s: float = 0.0, key: bytes = b""
+                ) -> list[Shipped]:
     """Load ``specs[k]`` on ``placed[k]``, all at once; see the module docstring.
 
     Args:
@@ -230,6 +243,7 @@ def load_stages(pipeline_id: str, specs: Sequence[StageSpec], placed: Sequence[W
         interrupted: set from another thread to interrupt (:meth:`Cluster.interrupt`).
         lease_s: the workers unload the stages once no coordinator has subscribed to the
             pipeline for this long; 0: pinned (``jaxdist deploy``).
+        key: the pipeline's key (:func:`new_pipeline_key`); empty: a shared pipeline.
 
     Returns:
         How each stage was loaded, in order.
@@ -240,7 +254,7 @@ def load_stages(pipeline_id: str, specs: Sequence[StageSpec], placed: Sequence[W
             ``None``. Other typed errors of the workers name the worker. Nothing of this call
             stays loaded.
     """
-    run = _Run(pipeline_id, specs, placed, fetch, progress, interrupted, lease_s)
+    run = _Run(pipeline_id, specs, placed, fetch, progress, interrupted, lease_s, key)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(specs)),
                                                  thread_name_prefix="load-stage")
     futures: list[concurrent.futures.Future[Shipped]] = []

@@ -31,7 +31,13 @@ import numpy as np
 
 from jaxdist.core import control
 from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S
-from jaxdist.core.errors import JaxdistError, LimitError, RemoteStageError, TransportError
+from jaxdist.core.errors import (
+    JaxdistError,
+    LimitError,
+    PipelineKeyError,
+    RemoteStageError,
+    TransportError,
+)
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport.client import WorkerClient
 from jaxdist.core.transport.frames import FrameAssembler, FrameHeader, split_frame
@@ -62,7 +68,7 @@ class Placement(Protocol):
     def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
                     placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
                     progress: Callable[[str, int, int], None] | None = None, *,
-                    lease_s: float | None = None) -> list[StageSpec]:
+                    lease_s: float | None = None, key: bytes = b"") -> list[StageSpec]:
         """Load stage k on ``placed[k]``, linked to the next one; returns the loaded specs."""
         ...
 
@@ -105,9 +111,12 @@ class Pipeline:
     def __init__(self, cluster: Placement, pipeline_id: str, specs: Sequence[StageSpec],
                  clients: Sequence[WorkerClient], *, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                  model: Model | None = None, fetch: Callable[[str], bytes] | None = None,
-                 lease_s: float = 0.0) -> None:
+                 lease_s: float = 0.0, key: bytes = b"") -> None:
         self.cluster = cluster
         self.pipeline_id = pipeline_id
+        # The pipeline's key, presented with its loads, subscriptions, frames and session ends;
+        # empty: a shared pipeline (jaxdist deploy). Kept on failover.
+        self.key = key
         self.model = model
         self.reply_to = uuid.uuid4().hex
         self.heartbeat_timeout = heartbeat_timeout
@@ -137,12 +146,13 @@ class Pipeline:
         self._unique = list({c.address: c for c in self.clients}.values())
         self._last_seen = {c.address: time.monotonic() for c in self._unique}
         self._subs: list[Any] = []
+        self._key_refused: PipelineKeyError | None = None
         epoch = self._epoch
         # Set by a subscription's first event: the worker sends it once the subscription is
         # registered, so a result published after that has somewhere to go.
         self._subscribed = {c.address: threading.Event() for c in self._unique}
         for c in self._unique:
-            call = c.subscribe(self.pipeline_id, self.reply_to)
+            call = c.subscribe(self.pipeline_id, self.reply_to, self.key)
             self._subs.append(call)
             threading.Thread(target=self._listen, args=(c.address, call, epoch),
                              name=f"sub-{c.address}", daemon=True).start()
@@ -151,6 +161,10 @@ class Pipeline:
             if not subscribed.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("worker %s has not confirmed the result subscription of pipeline "
                             "%s; the heartbeat watchdog takes over", address, self.pipeline_id)
+        if self._key_refused is not None:  # not ours to use: say so, rather than fail over
+            for call in self._subs:
+                call.cancel()
+            raise self._key_refused
         first = self.clients[0].address
         self._sender = self.clients[0].sender(
             on_error=lambda e: self._fail_worker(first, str(e), epoch))
@@ -194,6 +208,13 @@ class Pipeline:
                         e.message, stage=e.stage, address=e.address or address,
                         remote_type=e.type, remote_traceback=e.traceback, code=e.code or None))
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                # Not a dead worker: this pipeline is another coordinator's (its key differs).
+                refused = PipelineKeyError(f"worker {address}: {exc.details()}")
+                with self._lock:
+                    self._key_refused = self._key_refused or refused
+                self._fail_worker(address, str(refused), epoch)
+                return
             self._fail_worker(address, f"{exc.code().name}: {exc.details()}", epoch)
             return
         except LimitError as exc:  # a result larger than this coordinator assembles
@@ -315,7 +336,8 @@ class Pipeline:
                             log.warning("failover: could not unload %s from %s: %s",
                                         self.pipeline_id, c.address, exc)
                 specs = self.cluster.load_stages(self.pipeline_id, self.specs, clients,
-                                                 self._fetch, lease_s=self.lease_s)
+                                                 self._fetch, lease_s=self.lease_s,
+                                                 key=self.key)
                 self._connect(specs, clients)
             except BaseException as exc:
                 self._broken = exc if isinstance(exc, JaxdistError) else cause
@@ -355,7 +377,7 @@ class Pipeline:
         with self._lock:
             self._pending[request_id] = _Pending(future, session_id, step)
         header = FrameHeader(self.pipeline_id, session_id, step, 0, request_id, self.reply_to,
-                             control=ctl)
+                             control=ctl, key=self.key)
         try:
             with self._send_lock:
                 for msg in split_frame(header, tensors):
@@ -418,7 +440,7 @@ class Pipeline:
         freed = 0
         for c in self._unique:
             try:
-                freed += c.end_session(self.pipeline_id, session_id).freed_bytes
+                freed += c.end_session(self.pipeline_id, session_id, self.key).freed_bytes
             except JaxdistError as exc:
                 log.warning("could not end session %s on %s: %s", session_id, c.address, exc)
         return freed

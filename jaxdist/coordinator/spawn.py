@@ -154,7 +154,13 @@ def stop_workers(workers: Sequence[LocalWorker], timeout: float = 20.0) -> None:
         try:
             w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("worker pid %d did not exit after SIGTERM; killing it", w.pid)
+            log.warning("worker pid %d did not exit after SIGTERM; its threads' stacks go to "
+                        "its stderr, then it is killed", w.pid)
+            try:
+                w.process.send_signal(signal.SIGUSR1)  # faulthandler in the worker
+                w.process.wait(timeout=1.0)  # the dump is written in the signal's handler
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
             w.process.kill()
             w.process.wait()
         if w.process.stdout is not None:

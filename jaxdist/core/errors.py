@@ -20,6 +20,7 @@ __all__ = [
     "SessionError",
     "LimitError",
     "AuthError",
+    "PipelineKeyError",
     "RemoteStageError",
 ]
 
@@ -190,6 +191,17 @@ class AuthError(JaxdistError):
     """
 
     code = "UNAUTHENTICATED"
+
+
+class PipelineKeyError(AuthError):
+    """A call or frame for a pipeline did not present that pipeline's key.
+
+    The key is chosen by the coordinator that loaded the pipeline (``LoadStageRequest``'s
+    ``pipeline_key``); the worker token alone does not open another coordinator's pipeline.
+    A worker answers ``PERMISSION_DENIED``.
+    """
+
+    code = "PERMISSION_DENIED"
 
 
 class RemoteStageError(JaxdistError):

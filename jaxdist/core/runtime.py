@@ -233,7 +233,7 @@ class StageRuntime:
                 return
             nxt = FrameHeader(header.pipeline_id, header.session_id, header.step,
                               self.spec.stage_index + 1, header.request_id, header.reply_to,
-                              control=header.control)
+                              control=header.control, key=header.key)
             if (not self._egress_busy and (self._egress is None or self._egress.empty())
                     and (not self.route.wants_host or (self._on_host
                                                        and _ready_on_host(outputs)))):

@@ -214,7 +214,7 @@ class StepControl(_message.Message):
     def __init__(self, slot: _Optional[_Iterable[int]] = ..., pos: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., temperature: _Optional[_Iterable[float]] = ..., top_k: _Optional[_Iterable[int]] = ..., top_p: _Optional[_Iterable[float]] = ..., seed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("pipeline_id", "session_id", "step", "kind", "tensors", "error", "last_chunk", "request_id", "reply_to", "stage", "control")
+    __slots__ = ("pipeline_id", "session_id", "step", "kind", "tensors", "error", "last_chunk", "request_id", "reply_to", "stage", "control", "pipeline_key")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class Frame(_message.Message):
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_KEY_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     session_id: str
     step: int
@@ -237,7 +238,8 @@ class Frame(_message.Message):
     reply_to: str
     stage: int
     control: StepControl
-    def __init__(self, pipeline_id: _Optional[str] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., last_chunk: _Optional[bool] = ..., request_id: _Optional[int] = ..., reply_to: _Optional[str] = ..., stage: _Optional[int] = ..., control: _Optional[_Union[StepControl, _Mapping]] = ...) -> None: ...
+    pipeline_key: bytes
+    def __init__(self, pipeline_id: _Optional[str] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., last_chunk: _Optional[bool] = ..., request_id: _Optional[int] = ..., reply_to: _Optional[str] = ..., stage: _Optional[int] = ..., control: _Optional[_Union[StepControl, _Mapping]] = ..., pipeline_key: _Optional[bytes] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -400,14 +402,16 @@ class UploadReply(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., stored: _Optional[bool] = ..., size: _Optional[int] = ...) -> None: ...
 
 class LoadStageRequest(_message.Message):
-    __slots__ = ("spec", "pipeline_id", "lease_s")
+    __slots__ = ("spec", "pipeline_id", "lease_s", "pipeline_key")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_KEY_FIELD_NUMBER: _ClassVar[int]
     spec: StageSpec
     pipeline_id: str
     lease_s: float
-    def __init__(self, spec: _Optional[_Union[StageSpec, _Mapping]] = ..., pipeline_id: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    pipeline_key: bytes
+    def __init__(self, spec: _Optional[_Union[StageSpec, _Mapping]] = ..., pipeline_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., pipeline_key: _Optional[bytes] = ...) -> None: ...
 
 class LoadStageReply(_message.Message):
     __slots__ = ("stage_id", "already_loaded", "bind_s", "compile_s", "weight_bytes", "device", "load_s")
@@ -475,12 +479,14 @@ class DescribeWeightsReply(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[WeightInfo, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
-    __slots__ = ("pipeline_id", "session_id")
+    __slots__ = ("pipeline_id", "session_id", "pipeline_key")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_KEY_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     session_id: str
-    def __init__(self, pipeline_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    pipeline_key: bytes
+    def __init__(self, pipeline_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pipeline_key: _Optional[bytes] = ...) -> None: ...
 
 class EndSessionReply(_message.Message):
     __slots__ = ("freed_stages", "freed_bytes")
@@ -497,12 +503,14 @@ class PushAck(_message.Message):
     def __init__(self, frames: _Optional[int] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("pipeline_id", "reply_to")
+    __slots__ = ("pipeline_id", "reply_to", "pipeline_key")
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_KEY_FIELD_NUMBER: _ClassVar[int]
     pipeline_id: str
     reply_to: str
-    def __init__(self, pipeline_id: _Optional[str] = ..., reply_to: _Optional[str] = ...) -> None: ...
+    pipeline_key: bytes
+    def __init__(self, pipeline_id: _Optional[str] = ..., reply_to: _Optional[str] = ..., pipeline_key: _Optional[bytes] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("result", "error", "heartbeat", "request_id", "session_id")

@@ -14,6 +14,7 @@ from jaxdist.core.errors import JaxdistError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport import security, status, wire
 from jaxdist.core.transport.channel import FrameSender, make_channel
+from jaxdist.core.transport.trust import check_token_destination
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 
@@ -77,13 +78,23 @@ class WorkerClient:
         timeout: default deadline of quick calls, in seconds.
         metadata: call metadata sent with every call (e.g. ``authorization``).
         credentials: TLS channel credentials, or ``None`` for plaintext.
+        insecure_token: allow a token in ``metadata`` to go in plaintext to an address that is
+            not loopback (``--insecure-token``); without it that is refused.
 
     Both usually come from :func:`jaxdist.core.transport.security.client_auth`.
+
+    Raises:
+        AuthError: a token would go in plaintext to a non-loopback address
+            (:func:`jaxdist.core.transport.trust.check_token_destination`).
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0,
                  metadata: tuple[tuple[str, str], ...] = (),
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 insecure_token: bool = False) -> None:
+        token = any(k == security.AUTH_HEADER for k, _ in metadata)
+        check_token_destination(address, token=token, tls=credentials is not None,
+                                insecure_token=insecure_token)
         self.address = address
         self.timeout = timeout
         self.metadata = metadata
@@ -167,18 +178,19 @@ class WorkerClient:
         return self._start("UploadArtifact", self.stub.UploadArtifact, chunks(), timeout)
 
     def load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0, *,
-                   lease_s: float = 0.0) -> pb.LoadStageReply:
-        return self.start_load_stage(spec, pipeline_id, timeout, lease_s=lease_s).result()
+                   lease_s: float = 0.0, key: bytes = b"") -> pb.LoadStageReply:
+        return self.start_load_stage(spec, pipeline_id, timeout, lease_s=lease_s,
+                                     key=key).result()
 
     def start_load_stage(self, spec: StageSpec, pipeline_id: str, timeout: float = 1800.0, *,
-                         lease_s: float = 0.0) -> Call[pb.LoadStageReply]:
+                         lease_s: float = 0.0, key: bytes = b"") -> Call[pb.LoadStageReply]:
         """:meth:`load_stage`, as a call that can be cancelled. While it runs, the worker's
         ``Info`` lists it under ``loading`` with its phase. ``lease_s`` > 0: the worker
         unloads the pipeline's stages once nobody has subscribed to it for that long; 0:
         they stay until unloaded."""
         return self._start(f"LoadStage (stage {spec.stage_index})", self.stub.LoadStage,
                            pb.LoadStageRequest(spec=spec.to_proto(), pipeline_id=pipeline_id,
-                                               lease_s=lease_s),
+                                               lease_s=lease_s, pipeline_key=key),
                            timeout)
 
     def unload_stage(self, stage_id: str, timeout: float | None = None) -> bool:
@@ -190,20 +202,22 @@ class WorkerClient:
                            pb.DescribeWeightsRequest(path=path), 60.0)
         return list(reply.tensors), {k: json.loads(v) for k, v in reply.metadata.items()}
 
-    def end_session(self, pipeline_id: str, session_id: str) -> pb.EndSessionReply:
+    def end_session(self, pipeline_id: str, session_id: str, key: bytes = b""
+                    ) -> pb.EndSessionReply:
         return self._call("EndSession", self.stub.EndSession,
-                          pb.EndSessionRequest(pipeline_id=pipeline_id, session_id=session_id))
+                          pb.EndSessionRequest(pipeline_id=pipeline_id, session_id=session_id,
+                                               pipeline_key=key))
 
     def sender(self, on_error: Callable[[TransportError], None] | None = None,
                max_pending: int = 64) -> FrameSender:
         return FrameSender(wire.push_method(self.channel), self.address, on_error=on_error,
                            metadata=self.metadata, max_pending=max_pending)
 
-    def subscribe(self, pipeline_id: str, reply_to: str) -> Any:
+    def subscribe(self, pipeline_id: str, reply_to: str, key: bytes = b"") -> Any:
         """The event stream of a pipeline on this worker, as :class:`frames.EventView` items
-        (cancel it to stop)."""
+        (cancel it to stop). ``key``: the pipeline's key, empty for a shared pipeline."""
         return wire.subscribe_method(self.channel)(
-            pb.SubscribeRequest(pipeline_id=pipeline_id, reply_to=reply_to),
+            pb.SubscribeRequest(pipeline_id=pipeline_id, reply_to=reply_to, pipeline_key=key),
             metadata=self.metadata)
 
     def close(self) -> None:

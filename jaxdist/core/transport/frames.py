@@ -12,7 +12,7 @@ Errors: malformed bytes raise :class:`CodecError`; a frame over a limit of its
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,7 @@ class FrameHeader:
     reply_to: str = ""
     kind: pb.FrameKind = pb.FRAME_DATA
     control: bytes = b""
+    key: bytes = field(default=b"", repr=False)  # the pipeline's key: never logged
 
 
 _F = {f.name: f.number for f in pb.Frame.DESCRIPTOR.fields}
@@ -58,7 +59,7 @@ def _heads(header: FrameHeader, n: int) -> Iterator[bytes]:
     """The serialized header fields of each of the ``n`` messages of a frame."""
     frame = pb.Frame(pipeline_id=header.pipeline_id, session_id=header.session_id,
                      step=header.step, stage=header.stage, request_id=header.request_id,
-                     reply_to=header.reply_to, kind=header.kind)
+                     reply_to=header.reply_to, kind=header.kind, pipeline_key=header.key)
     # The control header goes out as the bytes it came in (a field order of no consequence).
     control = (protowire.field_prefix(_CONTROL, len(header.control)) + header.control
                if header.control else b"")
@@ -89,6 +90,7 @@ def result_events(header: FrameHeader, tensors: Mapping[str, Any], *,
     tail = pb.Event(request_id=header.request_id, session_id=header.session_id
                     ).SerializeToString()
     groups = list(codec.group_chunks(tensors, chunk_bytes=chunk_bytes))
+    header = replace(header, key=b"")  # a result goes to the key's holder; it needs no key
     for head, group in zip(_heads(header, len(groups)), groups):
         pieces, size = codec.tensor_pieces(group, _TENSORS)
         yield b"".join([protowire.field_prefix(_RESULT, len(head) + size), head, *pieces, tail])
@@ -193,7 +195,7 @@ def error_frame(header: FrameHeader, error: pb.RemoteError) -> pb.Frame:
 def header_of(msg: pb.Frame) -> FrameHeader:
     control = msg.control.SerializeToString() if msg.HasField("control") else b""
     return FrameHeader(msg.pipeline_id, msg.session_id, msg.step, msg.stage, msg.request_id,
-                       msg.reply_to, msg.kind, control)
+                       msg.reply_to, msg.kind, control, msg.pipeline_key)
 
 
 @dataclass

@@ -214,6 +214,10 @@ class ClientAuth:
     # keys the proof and is never sent; the context is TLS from the same files.
     hmac_key: bytes | None = field(default=None, repr=False)
     ssl_context: ssl.SSLContext | None = None  # None: plaintext
+    # The peers' certificates are verified against the CA given (--tls-ca), not the system's
+    # trust store: a peer that passes the handshake holds a certificate of the cluster's CA
+    # (jaxdist.core.transport.trust trusts such next hops).
+    cluster_ca: bool = False
 
     @property
     def has_token(self) -> bool:
@@ -255,7 +259,7 @@ def client_auth(*, token_file: PathLike | None = None, tls_cert: PathLike | None
         if tls_cert and tls_key:
             context.load_cert_chain(os.fspath(tls_cert), os.fspath(tls_key))
     return ClientAuth(metadata=metadata, credentials=credentials, hmac_key=key,
-                      ssl_context=context)
+                      ssl_context=context, cluster_ca=files.ca is not None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,12 +25,13 @@ def code_for(exc: BaseException) -> grpc.StatusCode:
 
 _ERROR_BY_NAME: dict[str, type[errors.JaxdistError]] = {
     cls.__name__: cls for cls in (
-        errors.AuthError, errors.LimitError, errors.SessionError, errors.SpecError,
+        errors.AuthError, errors.PipelineKeyError, errors.LimitError, errors.SessionError, errors.SpecError,
         errors.CodecError, errors.DeviceError, errors.ArtifactError, errors.TransportError,
         errors.WeightError, errors.JaxdistError)}
 
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[errors.JaxdistError]] = {
     grpc.StatusCode.UNAUTHENTICATED: errors.AuthError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PipelineKeyError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.LimitError,
     grpc.StatusCode.UNAVAILABLE: errors.TransportError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.TransportError,
