@@ -136,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     limits.add_argument("--max-artifact-bytes", type=_size, default=256 << 20, metavar="SIZE",
                         help="largest artifact, uploaded or inlined in a spec "
                              "(default %(default)s)")
+    limits.add_argument("--max-upload-bytes", type=_size, default=512 << 20, metavar="SIZE",
+                        help="bytes held by all unfinished artifact uploads at once; an upload "
+                             "that would pass it is refused (default %(default)s)")
+    limits.add_argument("--upload-idle-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="an artifact upload that sends nothing for this long is dropped "
+                             "(default %(default)s)")
     limits.add_argument("--max-id-bytes", type=int, default=MAX_ID_BYTES, metavar="N",
                         help="longest pipeline, stage, session or reply-to id, or model name, "
                              "in UTF-8 bytes; a request with a longer one is refused "
@@ -215,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value, least in (("--max-sessions", opts.max_sessions, 1),
                                ("--max-tensors-per-frame", opts.max_tensors_per_frame, 1),
                                ("--max-artifact-bytes", opts.max_artifact_bytes, 1),
+                               ("--max-upload-bytes", opts.max_upload_bytes, 1),
+                               ("--upload-idle-timeout", opts.upload_idle_timeout, 0.1),
                                ("--max-frame-bytes", opts.max_frame_bytes, 1),
                                ("--max-subscriber-events", opts.max_subscriber_events, 1),
                                ("--max-id-bytes", opts.max_id_bytes, 16),
@@ -225,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         if value < least:
             print(f"jaxdist-worker: {flag} must be >= {least}, got {value}", file=sys.stderr)
             return 2
+    if opts.max_upload_bytes < opts.max_artifact_bytes:
+        print(f"jaxdist-worker: --max-upload-bytes ({opts.max_upload_bytes}) must be >= "
+              f"--max-artifact-bytes ({opts.max_artifact_bytes}), or no artifact of the largest "
+              f"size could be uploaded", file=sys.stderr)
+        return 2
     cache_dir = opts.compilation_cache
     if cache_dir is None:
         cache_dir = jd_config.default_compilation_cache()
@@ -239,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                               session_idle_timeout=opts.session_idle_timeout,
                               max_kv_bytes=opts.max_kv_bytes,
                               max_artifact_bytes=opts.max_artifact_bytes,
+                              max_upload_bytes=opts.max_upload_bytes,
+                              upload_idle_timeout=opts.upload_idle_timeout,
                               max_frame_bytes=opts.max_frame_bytes,
                               max_tensors_per_frame=opts.max_tensors_per_frame,
                               max_id_bytes=opts.max_id_bytes,

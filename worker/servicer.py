@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -84,6 +84,8 @@ class WorkerConfig:
     #                                                   (half the device's memory); 0: no limit
     allowed_custom_calls: Collection[str] = artifacts.DEFAULT_CUSTOM_CALL_ALLOWLIST
     max_artifact_bytes: int = 256 << 20               # largest artifact (uploaded or inline)
+    max_upload_bytes: int = 512 << 20                 # bytes of all unfinished uploads at once
+    upload_idle_timeout: float = 30.0                 # s an upload may send nothing, then ends
     max_frame_bytes: int = 1 << 30                    # tensor bytes in one frame, all tensors
     max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
     max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
@@ -180,6 +182,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._leases: dict[str, list[float]] = {}
         # pipeline -> its key (LoadStageRequest.pipeline_key), while a stage of it is loaded
         self._keys: dict[str, bytes] = {}
+        self._uploading = 0  # bytes held by unfinished uploads (on the loop only)
         threading.Thread(target=self._watch_leases, name="lease-watch", daemon=True).start()
         self._draining = threading.Event()
         self.health = WorkerHealth()  # grpc.health.v1; server.py serves it
@@ -259,7 +262,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kernels=pb.KernelInfo(version=self.kernels.version, types=self.kernels.types,
                                   targets=self.kernels.targets, threads=self.kernels.threads,
                                   unavailable_reason=self.kernels.reason),
-            loading=self.loads.to_proto(), data_port=self.data_port)
+            loading=self.loads.to_proto(), data_port=self.data_port,
+            upload_bytes=self._uploading)
         for d in self._offered:
             desc = devices.describe_device(d, self._offered)
             reply.devices.add(platform=desc["platform"], index=desc["index"], kind=desc["kind"],
@@ -285,11 +289,46 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     ) -> pb.ArtifactPresence:
         return pb.ArtifactPresence(present=self.registry.has(request.digest))
 
-    @_rpc
-    def UploadArtifact(self, request_iterator: Iterator[pb.ArtifactChunk],
-                       context: grpc.ServicerContext) -> pb.UploadReply:
+    async def UploadArtifact(self, request_iterator: AsyncIterator[pb.ArtifactChunk],
+                             context: grpc.aio.ServicerContext) -> pb.UploadReply:
+        """Receive an artifact, on the loop: an upload that stalls holds no thread, only the
+        bytes it sent, which count against ``max_upload_bytes`` until it ends. It ends
+        ``RESOURCE_EXHAUSTED`` after ``upload_idle_timeout`` seconds without a chunk. The digest
+        is checked and the artifact stored in a thread."""
+        held = [0]  # this upload's bytes in the worker-wide count
+        try:
+            digest, data = await self._receive_upload(request_iterator, held)
+            return await asyncio.to_thread(self._store_upload, digest, data)
+        except Exception as exc:
+            await context.abort(_failure(exc, context, "UploadArtifact"), clip(str(exc), 4000))
+            raise  # unreachable: abort raises
+        finally:
+            self._uploading -= held[0]
+
+    async def _receive_upload(self, request_iterator: AsyncIterator[pb.ArtifactChunk],
+                              held: list[int]) -> tuple[str, bytes]:
+        cfg = self.config
         digest, parts, size = "", [], 0
-        for chunk in request_iterator:
+        chunks = aiter(request_iterator)
+        while True:
+            try:
+                async with asyncio.timeout(cfg.upload_idle_timeout):
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise LimitError(f"UploadArtifact of {clip(digest, 80) or 'an artifact'}: no "
+                                 f"data for {cfg.upload_idle_timeout:g} s "
+                                 f"(--upload-idle-timeout); {size} bytes had arrived. The upload "
+                                 f"is dropped") from None
+            if len(chunk.data) + self._uploading > cfg.max_upload_bytes:
+                raise LimitError(f"UploadArtifact of {clip(digest or chunk.digest, 80)}: the "
+                                 f"uploads in progress on this worker hold {self._uploading} "
+                                 f"bytes; {len(chunk.data)} more would pass the limit of "
+                                 f"{cfg.max_upload_bytes} (--max-upload-bytes). Retry when "
+                                 f"they have finished")
+            self._uploading += len(chunk.data)
+            held[0] += len(chunk.data)
             if not digest:
                 digest = chunk.digest
                 if chunk.total_bytes > self.config.max_artifact_bytes:
@@ -304,7 +343,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             parts.append(chunk.data)
         if not digest:
             raise ArtifactError("empty artifact upload: the first chunk must name the digest")
-        data = b"".join(parts)
+        return digest, b"".join(parts)
+
+    def _store_upload(self, digest: str, data: bytes) -> pb.UploadReply:
         found = artifacts.digest_of(data)
         if found != digest:
             raise ArtifactError(f"uploaded artifact does not match its digest: expected {digest}, "

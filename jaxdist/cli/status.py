@@ -85,7 +85,8 @@ def run(opts: argparse.Namespace) -> int:
             print(f"  memory: {fmt_bytes(mem.memory_free)} free of {fmt_bytes(mem.memory_total)};"
                   f" worker RSS {fmt_bytes(r.rss_bytes)}")
         print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)}; "
-              f"data port: {r.data_port or 'off'}")
+              f"data port: {r.data_port or 'off'}"
+              + (f"; uploads in progress: {fmt_bytes(r.upload_bytes)}" if r.upload_bytes else ""))
         k = r.kernels
         if k.version:
             threads = k.threads or "auto"
