@@ -138,7 +138,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     (worker,) = spawn_workers(1, weights_roots=[str(root)], max_sessions=MAX_SESSIONS)
     cluster = None
     try:
-        cluster = Cluster.connect([worker.address])
+        # Shared pipelines (no lease, no key: as `jaxdist deploy` loads them), so the raw
+        # streams and calls below reach them with the worker token alone.
+        cluster = Cluster.connect([worker.address], lease_s=0)
         mlp_pipe = cluster.deploy(mlp(), stages=1)
         acc_pipe = cluster.deploy(accumulator(), stages=1)
         channel = grpc.insecure_channel(worker.address)

@@ -202,7 +202,7 @@ class _Raw:
         self.reply_to = f"control-{uuid.uuid4().hex}"
         self.client = WorkerClient(pipe.clients[0].address)
         self.events: queue.Queue[Any] = queue.Queue()
-        self.call = self.client.subscribe(pipe.pipeline_id, self.reply_to)
+        self.call = self.client.subscribe(pipe.pipeline_id, self.reply_to, pipe.key)
         threading.Thread(target=self._read, daemon=True).start()
         assert not isinstance(self.events.get(timeout=30), BaseException)  # the greeting
         self.sender = self.client.sender()
@@ -216,7 +216,7 @@ class _Raw:
 
     def error_of(self, tensors: dict[str, Any], ctl: bytes, request_id: int) -> pb.RemoteError:
         header = FrameHeader(self.pipe.pipeline_id, "", 0, 0, request_id, self.reply_to,
-                             control=ctl)
+                             control=ctl, key=self.pipe.key)
         for msg in split_frame(header, tensors):
             self.sender.send(msg, timeout=30)
         while True:

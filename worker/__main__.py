@@ -142,6 +142,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     limits.add_argument("--upload-idle-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="an artifact upload that sends nothing for this long is dropped "
                              "(default %(default)s)")
+    limits.add_argument("--max-inflight-bytes", type=_size, default=2 << 30, metavar="SIZE",
+                        help="bytes held by all frames being received at once, all streams; a "
+                             "frame that would pass it is refused (default %(default)s)")
+    limits.add_argument("--frame-idle-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="a stream that began a frame and sends nothing more of it for "
+                             "this long is ended (default %(default)s)")
+    limits.add_argument("--max-streams-per-peer", type=int, default=256, metavar="N",
+                        help="Push, Subscribe and data connections one peer host may hold open "
+                             "at once (default %(default)s)")
     limits.add_argument("--max-id-bytes", type=int, default=MAX_ID_BYTES, metavar="N",
                         help="longest pipeline, stage, session or reply-to id, or model name, "
                              "in UTF-8 bytes; a request with a longer one is refused "
@@ -224,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                                ("--max-upload-bytes", opts.max_upload_bytes, 1),
                                ("--upload-idle-timeout", opts.upload_idle_timeout, 0.1),
                                ("--max-frame-bytes", opts.max_frame_bytes, 1),
+                               ("--max-inflight-bytes", opts.max_inflight_bytes, 1),
+                               ("--frame-idle-timeout", opts.frame_idle_timeout, 0.1),
+                               ("--max-streams-per-peer", opts.max_streams_per_peer, 1),
                                ("--max-subscriber-events", opts.max_subscriber_events, 1),
                                ("--max-id-bytes", opts.max_id_bytes, 16),
                                ("--max-compiled-shapes", opts.max_compiled_shapes, 1),
@@ -233,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         if value < least:
             print(f"jaxdist-worker: {flag} must be >= {least}, got {value}", file=sys.stderr)
             return 2
+    if opts.max_inflight_bytes < opts.max_frame_bytes:
+        print(f"jaxdist-worker: --max-inflight-bytes ({opts.max_inflight_bytes}) must be >= "
+              f"--max-frame-bytes ({opts.max_frame_bytes}), or no frame of the largest size "
+              f"could be received", file=sys.stderr)
+        return 2
     if opts.max_upload_bytes < opts.max_artifact_bytes:
         print(f"jaxdist-worker: --max-upload-bytes ({opts.max_upload_bytes}) must be >= "
               f"--max-artifact-bytes ({opts.max_artifact_bytes}), or no artifact of the largest "
@@ -255,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                               max_upload_bytes=opts.max_upload_bytes,
                               upload_idle_timeout=opts.upload_idle_timeout,
                               max_frame_bytes=opts.max_frame_bytes,
+                              max_inflight_bytes=opts.max_inflight_bytes,
+                              frame_idle_timeout=opts.frame_idle_timeout,
+                              max_streams_per_peer=opts.max_streams_per_peer,
                               max_tensors_per_frame=opts.max_tensors_per_frame,
                               max_id_bytes=opts.max_id_bytes,
                               max_compiled_shapes=opts.max_compiled_shapes,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from jaxdist.core.errors import AuthError, JaxdistError, TransportError
+from jaxdist.core.errors import AuthError, JaxdistError, LimitError, TransportError
 from jaxdist.core.transport import stream
 from jaxdist.core.transport.channel import MAX_MESSAGE_BYTES
 from jaxdist.core.transport.frames import parse_frame
@@ -135,16 +135,43 @@ class DataListener:
     async def _frames(self, peer: str, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
         """Messages into the stages until the client closes, or a message cannot be read."""
-        ingress = FrameIngress(self._worker)
+        worker = self._worker
+        ingress = FrameIngress(worker)
+        inflight, reserved = worker.inflight, [0]
+        idle = worker.config.frame_idle_timeout
+
+        def reserve(n: int) -> None:  # a message is buffered whole before it is parsed
+            inflight.take(n, f"a message of {n} bytes on the data connection from {peer}")
+            reserved[0] = n
+
         try:
-            while (data := await stream.read_message(reader, self._max_message,
-                                                     self._limit)) is not None:
-                await ingress.take(parse_frame(data))
+            with worker.streams.hold("data connection", peer):
+                while True:
+                    try:
+                        data = await stream.read_message(reader, self._max_message, self._limit,
+                                                         wait=ingress.idle_timeout, idle=idle,
+                                                         reserve=reserve)
+                    except TimeoutError:
+                        if ingress.idle_timeout is not None and not reserved[0]:
+                            raise await ingress.stalled(
+                                f"data connection from {peer}") from None
+                        raise LimitError(
+                            f"data connection from {peer}: a message began, then nothing more "
+                            f"of it arrived for {idle:g} s (--frame-idle-timeout); the "
+                            f"connection is closed and the {reserved[0]} bytes it held are "
+                            f"freed") from None
+                    if data is None:
+                        return
+                    try:
+                        await ingress.take(parse_frame(data))
+                    finally:
+                        inflight.give(reserved[0])
+                        reserved[0] = 0
         except TransportError:
             return  # closed inside a message: the sender went away
         except OSError:
             return
-        except JaxdistError as exc:  # over the limit, or not a Frame: the connection ends
+        except JaxdistError as exc:  # over a limit, or not a Frame: the connection ends
             self._refused(peer, type(exc).__name__, str(exc))
             stream.write_status(writer, exc)
             try:
@@ -152,6 +179,9 @@ class DataListener:
                     await writer.drain()
             except (OSError, TimeoutError):
                 pass
+        finally:
+            inflight.give(reserved[0])
+            ingress.close()
 
     def _refused(self, peer: str, kind: str, detail: str = "") -> None:
         self._refusals.refused(f"data connection from {peer}", kind, detail)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from jaxdist.core.errors import PipelineKeyError, SessionError
+from jaxdist.core.errors import LimitError, PipelineKeyError, SessionError
 from jaxdist.core.runtime import StageRuntime
 from jaxdist.core.transport.frames import FrameAssembler, FrameHeader, FrameView, header_of
-from jaxdist.worker.limits import FrameBudget, check_ids
+from jaxdist.worker.limits import FrameBudget, InflightBytes, PeerStreams, check_ids
 
 __all__ = ["FrameIngress", "FrameLimits", "IngressWorker"]
 
@@ -30,6 +30,8 @@ class FrameLimits(Protocol):
     def max_tensors_per_frame(self) -> int: ...
     @property
     def max_id_bytes(self) -> int: ...
+    @property
+    def frame_idle_timeout(self) -> float: ...
 
 
 class IngressWorker(Protocol):
@@ -41,6 +43,10 @@ class IngressWorker(Protocol):
     def address(self) -> str: ...
     @property
     def draining(self) -> bool: ...
+    @property
+    def inflight(self) -> InflightBytes: ...
+    @property
+    def streams(self) -> PeerStreams: ...
     def runtime_for(self, pipeline_id: str, stage: int) -> StageRuntime | None: ...
     def key_matches(self, pipeline_id: str, key: bytes) -> bool: ...
     async def report(self, header: FrameHeader | Any, exc: BaseException) -> None: ...
@@ -50,7 +56,10 @@ class FrameIngress:
     """The frames of one incoming stream, assembled, checked and run. Used on the loop only.
 
     A tensor is refused on its declared size before it is allocated; the budget counts the
-    whole frame's bytes and tensors as they arrive (``worker/limits.py``).
+    whole frame's bytes and tensors as they arrive, and what a frame being received holds counts
+    against the worker's ``--max-inflight-bytes`` until it completes or fails, or until
+    :meth:`close` (``worker/limits.py``). The stream's reader waits for the rest of a begun
+    frame at most :attr:`idle_timeout` seconds at a time (:meth:`stalled`).
     """
 
     def __init__(self, worker: IngressWorker) -> None:
@@ -59,7 +68,40 @@ class FrameIngress:
         self._asm = FrameAssembler(max_bytes=min(cfg.max_frame_tensor_bytes, cfg.max_frame_bytes),
                                    max_tensors=cfg.max_tensors_per_frame)
         self._budget = FrameBudget(cfg.max_frame_bytes, cfg.max_tensors_per_frame)
+        self._held = 0  # bytes of the frame being received, in worker.inflight
+        self._begun: FrameHeader | None = None  # the frame being received
         self.messages = 0  # messages taken
+
+    @property
+    def idle_timeout(self) -> float | None:
+        """How long the stream's next message may take: ``--frame-idle-timeout`` while a frame
+        is half received, else no bound (an idle stream between frames holds nothing)."""
+        return None if self._begun is None else self._worker.config.frame_idle_timeout
+
+    async def stalled(self, where: str) -> Exception:
+        """The begun frame's stream sent nothing for :attr:`idle_timeout` seconds: report the
+        frame to its caller, free what it held, and return the error that ends the stream."""
+        header, held = self._begun, self._held
+        assert header is not None
+        exc = LimitError(f"{where}: frame of session {header.session_id[:64]!r} step "
+                         f"{header.step} began, then nothing more arrived for "
+                         f"{self._worker.config.frame_idle_timeout:g} s "
+                         f"(--frame-idle-timeout); the stream is ended and the {held} bytes "
+                         f"it held are freed")
+        self._drop()
+        await self._worker.report(header, exc)
+        return exc
+
+    def close(self) -> None:
+        """The stream ended: free what a half-received frame held."""
+        self._drop()
+
+    def _drop(self) -> None:
+        self._asm.reset()
+        self._budget.reset()
+        self._worker.inflight.give(self._held)
+        self._held = 0
+        self._begun = None
 
     async def take(self, msg: FrameView) -> None:
         """Take one message of the stream; when it completes a frame, run the frame (waits
@@ -90,16 +132,19 @@ class FrameIngress:
             if runtime is None:
                 raise SessionError(f"unknown stage: pipeline {header.pipeline_id!r} stage "
                                    f"{header.stage} is not loaded on worker {worker.address}")
-            self._budget.add(msg.chunks, header)
+            held = self._budget.add(msg.chunks, header)
+            worker.inflight.take(held, f"frame of session {header.session_id[:64]!r} step "
+                                       f"{header.step}")
+            self._held += held
+            self._begun = header
             done = self._asm.add(msg, header)
             if done is None:
                 return
-            self._budget.reset()
+            self._drop()
             header, tensors = done
             tensors, shapes = runtime.accept(header, tensors)
         except Exception as exc:  # noqa: BLE001 - a bad frame is reported, not fatal
-            self._asm.reset()
-            self._budget.reset()
+            self._drop()
             await worker.report(header, exc)
             return
         await runtime.process(header, tensors, shapes)

@@ -8,15 +8,17 @@ with a message naming the flag, its value and what was asked for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
 
 from jaxdist.core.errors import LimitError
+from jaxdist.core.weights.uri import clip
 
-__all__ = ["KV_MEMORY_FRACTION", "MAX_ID_BYTES", "FrameBudget", "check_ids",
-           "default_max_kv_bytes"]
+__all__ = ["KV_MEMORY_FRACTION", "MAX_ID_BYTES", "FrameBudget", "InflightBytes", "PeerStreams",
+           "check_ids", "default_max_kv_bytes", "peer_host"]
 
 MAX_ID_BYTES = 256
 """Default ``--max-id-bytes``: the longest pipeline, stage, session, reply-to id or model name a
@@ -79,16 +81,23 @@ class FrameBudget:
         self._bytes = 0
         self._tensors = 0
 
-    def add(self, chunks: Sequence[Any], header: Any) -> None:
+    def add(self, chunks: Sequence[Any], header: Any) -> int:
         """Count one message's chunks (``codec.Chunk`` tuples) of the frame ``header`` names.
+
+        Returns:
+            the bytes these chunks make the worker hold: a tensor's buffer is allocated at its
+            declared size when its first chunk (the one at offset 0) arrives.
 
         Raises:
             LimitError: the frame is over either limit; :meth:`reset` before the next frame.
         """
-        n, t = self._bytes, self._tensors
+        n, t, held = self._bytes, self._tensors, 0
         for chunk in chunks:
-            n += len(chunk[3])
-            t += chunk[4] == 0  # a tensor's first chunk is the one at offset 0
+            size = len(chunk[3])
+            n += size
+            if chunk[4] == 0:  # a tensor's first chunk is the one at offset 0
+                t += 1
+                held += max(size, chunk[5])
         self._bytes, self._tensors = n, t
         if n > self.max_bytes:
             raise LimitError(f"frame of session {header.session_id!r} step {header.step} is over "
@@ -98,7 +107,104 @@ class FrameBudget:
             raise LimitError(f"frame of session {header.session_id!r} step {header.step}: more "
                              f"than {self.max_tensors} tensors in one frame, the tensor count "
                              f"limit (--max-tensors-per-frame={self.max_tensors}): {t} so far")
+        return held
 
     def reset(self) -> None:
         self._bytes = 0
         self._tensors = 0
+
+
+class InflightBytes:
+    """The bytes of frames a worker is receiving, all its streams together (on the loop only).
+
+    A frame's tensors are allocated at their declared sizes as their first chunks arrive, and a
+    data connection's message is buffered whole before it is parsed; each is counted here until
+    the frame completes, fails or its stream ends. Without the bound, a few streams that each
+    declare a 1 GiB tensor and stall would hold gigabytes between them.
+
+    Args:
+        limit: the most bytes held at once (``--max-inflight-bytes``).
+    """
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int, what: str) -> None:
+        """Count ``n`` more bytes for ``what`` (a frame, a message), or refuse them.
+
+        Raises:
+            LimitError: naming ``what``, the bytes held, the limit and the flag.
+        """
+        if n and self.held + n > self.limit:
+            raise LimitError(f"{what}: the frames being received by this worker hold "
+                             f"{self.held} bytes; {n} more would pass the limit of {self.limit} "
+                             f"(--max-inflight-bytes)")
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:10.0.0.1:5000``, ``ipv6:[::1]:5000``) or of a
+    ``HOST:PORT``: the unit streams are counted by. A peer without a port is itself."""
+    kind, sep, rest = peer.partition(":")
+    if sep and kind in ("ipv4", "ipv6"):
+        peer = rest
+    elif kind == "unix":
+        return peer
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer
+
+
+class PeerStreams:
+    """Streams open per peer host: ``Push``, ``Subscribe`` and data connections (on the loop
+    only). Streams cost the worker no thread, but each holds memory and a share of gRPC's
+    concurrent-call limit; without this bound one client's idle streams took all of it, and every
+    other client got "Concurrent RPC limit exceeded".
+
+    Args:
+        limit: the most streams one peer host holds open at once (``--max-streams-per-peer``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+        self.total = 0  # streams open, all peers (read from any thread)
+
+    @contextmanager
+    def hold(self, what: str, peer: str) -> Iterator[None]:
+        """Count a stream of ``peer`` while the block runs. See :meth:`enter`."""
+        host = self.enter(what, peer)
+        try:
+            yield
+        finally:
+            self.leave(host)
+
+    def enter(self, what: str, peer: str) -> str:
+        """Count a stream of ``peer`` (a gRPC peer string or ``HOST:PORT``); the host to
+        :meth:`leave` when it ends.
+
+        Raises:
+            LimitError: the peer's host has ``limit`` streams open already; names ``what``,
+                the host, the count and the flag.
+        """
+        host = peer_host(peer)
+        n = self._open.get(host, 0)
+        if n >= self.limit:
+            raise LimitError(f"{what} from {clip(host, 80)}: that host holds {n} streams (Push, "
+                             f"Subscribe and data connections) open on this worker, the limit "
+                             f"(--max-streams-per-peer={self.limit}); close some, or raise it")
+        self._open[host] = n + 1
+        self.total += 1
+        return host
+
+    def leave(self, host: str) -> None:
+        self.total -= 1
+        if self._open[host] <= 1:
+            del self._open[host]
+        else:
+            self._open[host] -= 1

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 # Control calls run in this many threads; streams cost no thread.
 MAX_WORKERS = 64
+# Calls at once, streams included: gRPC refuses one more with "Concurrent RPC limit exceeded".
+# Streams are bounded per peer host below this (--max-streams-per-peer), so one client's idle
+# streams cannot take them all.
+MAX_RPCS = 4096
 
 
 class WorkerServer:
@@ -130,7 +134,7 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
                                                              thread_name_prefix="rpc"),
             options=[*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections",
                                        connection_limit())],
-            maximum_concurrent_rpcs=MAX_WORKERS * 4,
+            maximum_concurrent_rpcs=MAX_RPCS,
             interceptors=auth.interceptors or None)
         try:
             if auth.credentials is not None:

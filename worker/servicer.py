@@ -53,7 +53,13 @@ from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 from jaxdist.worker.health import WorkerHealth
 from jaxdist.worker.ingress import FrameIngress
-from jaxdist.worker.limits import MAX_ID_BYTES, check_ids, default_max_kv_bytes
+from jaxdist.worker.limits import (
+    MAX_ID_BYTES,
+    InflightBytes,
+    PeerStreams,
+    check_ids,
+    default_max_kv_bytes,
+)
 from jaxdist.worker.loads import CallerLeft, Load, Loads
 from jaxdist.worker.runtime import HEARTBEAT, GrpcRoute, Hub, PeerPool, Subscription
 from jaxdist.worker.tcp_route import TcpRoute
@@ -87,6 +93,9 @@ class WorkerConfig:
     max_upload_bytes: int = 512 << 20                 # bytes of all unfinished uploads at once
     upload_idle_timeout: float = 30.0                 # s an upload may send nothing, then ends
     max_frame_bytes: int = 1 << 30                    # tensor bytes in one frame, all tensors
+    max_inflight_bytes: int = 2 << 30                 # bytes of frames being received, all streams
+    frame_idle_timeout: float = 30.0                  # s a begun frame may wait for its next part
+    max_streams_per_peer: int = 256                   # Push, Subscribe, data conns per peer host
     max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
     max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
     max_id_bytes: int = MAX_ID_BYTES                  # longest id or model name kept
@@ -183,6 +192,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # pipeline -> its key (LoadStageRequest.pipeline_key), while a stage of it is loaded
         self._keys: dict[str, bytes] = {}
         self._uploading = 0  # bytes held by unfinished uploads (on the loop only)
+        self.inflight = InflightBytes(config.max_inflight_bytes)  # frames being received
+        self.streams = PeerStreams(config.max_streams_per_peer)  # Push, Subscribe, data conns
         threading.Thread(target=self._watch_leases, name="lease-watch", daemon=True).start()
         self._draining = threading.Event()
         self.health = WorkerHealth()  # grpc.health.v1; server.py serves it
@@ -263,7 +274,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                   targets=self.kernels.targets, threads=self.kernels.threads,
                                   unavailable_reason=self.kernels.reason),
             loading=self.loads.to_proto(), data_port=self.data_port,
-            upload_bytes=self._uploading)
+            upload_bytes=self._uploading, inflight_bytes=self.inflight.held,
+            streams=self.streams.total)
         for d in self._offered:
             desc = devices.describe_device(d, self._offered)
             reply.devices.add(platform=desc["platform"], index=desc["index"], kind=desc["kind"],
@@ -585,9 +597,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _push(self, request_iterator: AsyncIterator[FrameView],
                     context: grpc.aio.ServicerContext) -> pb.PushAck:
+        peer = context.peer()
         ingress = FrameIngress(self)
-        async for msg in request_iterator:
-            await ingress.take(msg)
+        try:
+            with self.streams.hold("Push", peer):
+                messages = aiter(request_iterator)
+                while True:
+                    try:
+                        async with asyncio.timeout(ingress.idle_timeout):
+                            msg = await anext(messages)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        raise await ingress.stalled(f"Push from {clip(peer, 80)}") from None
+                    await ingress.take(msg)
+        finally:
+            ingress.close()
         return pb.PushAck(frames=ingress.messages)
 
     def runtime_for(self, pipeline_id: str, stage: int) -> StageRuntime | None:
@@ -618,9 +643,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             check_ids("Subscribe", self.config.max_id_bytes, pipeline_id=sub.pipeline_id,
                       reply_to=sub.reply_to)
             self._check_key("Subscribe", sub.pipeline_id, sub.pipeline_key)
+            host = self.streams.enter("Subscribe", context.peer())
         except JaxdistError as exc:
             await context.abort(_failure(exc, context, "Subscribe"), str(exc))
             raise  # unreachable: abort raises
+        try:
+            async for event in self._events(sub, context):
+                yield event
+        finally:
+            self.streams.leave(host)
+
+    async def _events(self, sub: pb.SubscribeRequest, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[pb.Event]:
         q = self.hub.open(sub.pipeline_id, sub.reply_to)
         beat = asyncio.get_running_loop().create_task(self._heartbeats(q))
         try:

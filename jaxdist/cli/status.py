@@ -86,7 +86,10 @@ def run(opts: argparse.Namespace) -> int:
                   f" worker RSS {fmt_bytes(r.rss_bytes)}")
         print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)}; "
               f"data port: {r.data_port or 'off'}"
-              + (f"; uploads in progress: {fmt_bytes(r.upload_bytes)}" if r.upload_bytes else ""))
+              + (f"; uploads in progress: {fmt_bytes(r.upload_bytes)}" if r.upload_bytes else "")
+              + (f"; frames being received: {fmt_bytes(r.inflight_bytes)}"
+                 if r.inflight_bytes else "")
+              + f"; streams open: {r.streams}")
         k = r.kernels
         if k.version:
             threads = k.threads or "auto"

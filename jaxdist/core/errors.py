@@ -198,7 +198,16 @@ class PipelineKeyError(AuthError):
 
     The key is chosen by the coordinator that loaded the pipeline (``LoadStageRequest``'s
     ``pipeline_key``); the worker token alone does not open another coordinator's pipeline.
-    A worker answers ``PERMISSION_DENIED``.
+    A worker answers ``PERMISSION_DENIED``, which the coordinator raises as this class (an
+    :class:`AuthError`, so one ``except AuthError`` catches both).
+
+    Example:
+        >>> import grpc
+        >>> from jaxdist import AuthError, PipelineKeyError
+        >>> from jaxdist.core.transport.status import error_class_for
+        >>> cls = error_class_for(grpc.StatusCode.PERMISSION_DENIED)  # as a worker refused
+        >>> cls is PipelineKeyError and issubclass(cls, AuthError)
+        True
     """
 
     code = "PERMISSION_DENIED"

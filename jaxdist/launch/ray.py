@@ -19,6 +19,12 @@ Decisions:
 * **Addresses.** When every bundle is on the coordinator's node, the workers listen on
   loopback; otherwise each listens on its node's IP as Ray knows it, which the other nodes
   reach (``loopback=`` overrides).
+* **Next hops.** A worker sends frames only to hops it trusts (SECURITY.md, "What a worker
+  sends, and to whom"). On several nodes without mutual TLS each worker is started with
+  ``--peer-allow IP`` for every node IP of its placement group: the group's nodes trust each
+  other, as Ray's own nodes do. With ``tls_ca`` the cluster's CA decides instead. A token in
+  plaintext between nodes still needs ``--insecure-token`` (``extra_args``), said by the worker
+  that refuses it.
 * **Devices.** Ray sets ``CUDA_VISIBLE_DEVICES`` (``TPU_VISIBLE_CHIPS`` for TPUs) of each actor to
   its bundle's accelerators and the worker inherits it, so a worker holding one GPU sees it as
   ``cuda:0``, whichever GPU of the node it is. The default directive follows the bundle:
@@ -304,7 +310,8 @@ def start_workers(n: int, *, resources: Mapping[str, float] | None = None,
                                artifact_cache=artifact_cache,
                                compilation_cache=compilation_cache, max_sessions=max_sessions,
                                log_level=log_level, token_file=token_file, tls_cert=tls_cert,
-                               tls_key=tls_key, tls_ca=tls_ca, extra_args=extra_args)
+                               tls_key=tls_key, tls_ca=tls_ca,
+                               extra_args=[*_group_peers(hosts, tls_ca), *extra_args])
             replies.append(actor.start.remote(args, dict(env or {}), start_timeout))
         workers = []
         for i, (host, ref) in enumerate(zip(hosts, replies)):
@@ -432,6 +439,16 @@ def _hosts(ray: Any, pg: Any, n: int, loopback: bool | None) -> list[str]:
     if local if loopback is None else loopback:
         return ["127.0.0.1"] * n
     return [ips[node] for node in nodes]
+
+
+def _group_peers(hosts: Sequence[str], tls_ca: Any) -> list[str]:
+    """``--peer-allow`` for each node of the group (see the module's "Next hops")."""
+    if tls_ca is not None:
+        return []
+    args = []
+    for host in sorted({h for h in hosts if h != "127.0.0.1"}):
+        args += ["--peer-allow", host]
+    return args
 
 
 def _stop_actors(ray: Any, actors: Sequence[Any], grace: float | None) -> None:

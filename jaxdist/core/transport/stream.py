@@ -35,6 +35,7 @@ import hashlib
 import hmac
 import secrets
 import struct
+from collections.abc import Callable
 
 import grpc
 
@@ -77,32 +78,57 @@ def write_message(writer: asyncio.StreamWriter, data: bytes) -> None:
         writer.write(data)
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str) -> bytes | None:
+READ_STEP_BYTES = 1 << 20  # a long message is read in parts of this size, each timed
+
+
+async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str, *,
+                       wait: float | None = None, idle: float | None = None,
+                       reserve: Callable[[int], None] | None = None) -> bytes | None:
     """The next message; ``None`` when the peer closed between messages.
 
     Args:
         max_bytes: the longest message accepted; a longer declared length is refused before a
             byte of it is read.
         limit: what sets ``max_bytes`` (a flag and its value), for the refusal's message.
+        wait: the longest wait for a message to begin; ``None``: no bound.
+        idle: once a message has begun, the longest wait for more of it (each part of
+            :data:`READ_STEP_BYTES`); ``None``: no bound.
+        reserve: called with a message's length before its bytes are read (it may refuse them
+            by raising).
 
     Raises:
         LimitError: the declared length is over ``max_bytes``.
+        TimeoutError: ``wait`` or ``idle`` passed.
         TransportError: the connection closed or failed inside a message.
     """
+    async with asyncio.timeout(wait):
+        first = await reader.read(1)
+    if not first:
+        return None  # closed between messages
     try:
-        head = await reader.readexactly(_LEN.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
+        async with asyncio.timeout(idle):
+            head = first + await reader.readexactly(_LEN.size - 1)
+    except asyncio.IncompleteReadError:
         raise TransportError("the data connection closed inside a message's length") from None
     (n,) = _LEN.unpack(head)
     if n > max_bytes:
         raise LimitError(f"a message on the data connection declares {n} bytes, over this "
                          f"worker's limit of {max_bytes} bytes per message ({limit})")
+    if reserve is not None:
+        reserve(n)
+    got = 0
     try:
-        return await reader.readexactly(n)
+        if n <= READ_STEP_BYTES:
+            async with asyncio.timeout(idle):
+                return await reader.readexactly(n)
+        parts = []
+        while got < n:
+            async with asyncio.timeout(idle):
+                parts.append(await reader.readexactly(min(READ_STEP_BYTES, n - got)))
+            got += len(parts[-1])
+        return b"".join(parts)
     except asyncio.IncompleteReadError as exc:
-        raise TransportError(f"the data connection closed after {len(exc.partial)} of a "
+        raise TransportError(f"the data connection closed after {got + len(exc.partial)} of a "
                              f"message's {n} bytes") from None
 
 

@@ -1,0 +1,273 @@
+"""Streams and frames bounded per worker (#15 item 2): streams per peer host, bytes of frames
+being received across all streams, and a timeout on a frame begun and never finished. A real
+worker process on loopback port 0, raw gRPC streams and raw data connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from models import identity
+
+from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.pipeline import Pipeline
+from jaxdist.coordinator.spawn import spawn_workers, stop_workers
+from jaxdist.core.errors import LimitError
+from jaxdist.core.transport import stream
+from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.frames import FrameHeader, split_frame
+from jaxdist.proto import jaxdist_pb2 as pb
+
+MIB = 1 << 20
+STREAMS = 6      # --max-streams-per-peer
+INFLIGHT = 8 * MIB  # --max-inflight-bytes
+IDLE_S = 1.5     # --frame-idle-timeout of the `stalling` worker
+
+
+class Deployed:
+    """A worker, a shared one-stage identity pipeline on it, and raw access."""
+
+    def __init__(self, extra_args: list[str]) -> None:
+        (self.worker,) = spawn_workers(1, extra_args=extra_args)
+        self.cluster = Cluster.connect([self.worker.address], lease_s=0)
+        self.pipe: Pipeline = self.cluster.deploy(identity(1), stages=1)
+        self.client = WorkerClient(self.worker.address)
+        self.channel = grpc.insecure_channel(self.worker.address)
+        self.push = self.channel.stream_unary("/jaxdist.v1.Worker/Push",
+                                              request_serializer=lambda b: b,
+                                              response_deserializer=pb.PushAck.FromString)
+
+    def info(self) -> pb.InfoReply:
+        return self.client.info()
+
+    def close(self) -> None:
+        self.channel.close()
+        self.client.close()
+        self.cluster.close()
+        stop_workers([self.worker])
+
+
+@pytest.fixture(scope="module")
+def bounded() -> Iterator[Deployed]:
+    d = Deployed(["--max-streams-per-peer", str(STREAMS), "--max-frame-bytes", str(6 * MIB),
+                  "--max-inflight-bytes", str(INFLIGHT)])
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture(scope="module")
+def stalling() -> Iterator[Deployed]:
+    d = Deployed(["--frame-idle-timeout", str(IDLE_S)])
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+class Events:
+    """A subscription of our own to a pipeline, read in a thread into a queue."""
+
+    def __init__(self, d: Deployed, pipeline_id: str) -> None:
+        self.reply_to = f"limits-{uuid.uuid4().hex}"
+        self.pipeline_id = pipeline_id
+        self.call = d.client.subscribe(pipeline_id, self.reply_to)
+        self.items: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for view in self.call:
+                self.items.put(view)
+        except grpc.RpcError as exc:
+            self.items.put(exc)
+
+    def first(self) -> Any:
+        """The first event: the greeting heartbeat, or the error that ended the call."""
+        return self.items.get(timeout=60)
+
+    def answer(self, request_id: int) -> Any:
+        """The result view or the error event of one frame (heartbeats skipped)."""
+        while True:
+            item = self.items.get(timeout=120)
+            assert not isinstance(item, BaseException), item
+            if item.result is not None and item.result.msg.request_id == request_id:
+                return item
+            if item.msg.WhichOneof("kind") == "error" and item.msg.request_id == request_id:
+                return item.msg
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+def _frame(events: Events, request_id: int, x: np.ndarray) -> list[bytes]:
+    header = FrameHeader(events.pipeline_id, "", 0, 0, request_id, events.reply_to)
+    return list(split_frame(header, {"x": x}, chunk_bytes=MIB))
+
+
+def _wait_info(d: Deployed, ready: Any, call: Any = None) -> pb.InfoReply:
+    """Info, asked again until ``ready(info)``; each ask is a call to the worker."""
+    while not ready(info := d.info()):
+        assert call is None or not call.done(), call.exception()
+    return info
+
+
+def test_streams_are_bounded_per_peer_host(bounded: Deployed) -> None:
+    """One host's Subscribe, Push and data connections share --max-streams-per-peer; past it
+    each is refused naming the flag, Info answers throughout, and a closed stream frees its
+    place."""
+    subs: list[Events] = []
+    try:
+        held = bounded.info().streams  # the cluster's own subscription, from this host too
+        for _ in range(STREAMS - held):
+            subs.append(Events(bounded, "no-such-pipeline"))
+            assert not isinstance(subs[-1].first(), BaseException)
+        assert bounded.info().streams == STREAMS
+        extra = Events(bounded, "no-such-pipeline")
+        refused = extra.first()
+        assert isinstance(refused, grpc.RpcError)
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (f"Subscribe from 127.0.0.1: that host holds {STREAMS} streams (Push, Subscribe "
+                f"and data connections) open on this worker, the limit "
+                f"(--max-streams-per-peer={STREAMS})") in refused.details()
+        with pytest.raises(grpc.RpcError) as push:
+            bounded.push(iter([b""]), timeout=60)
+        assert push.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "Push from 127.0.0.1: that host holds" in push.value.details()
+        said = asyncio.run(_data_connection(bounded, b""))
+        assert isinstance(said, LimitError)
+        assert "data connection from 127.0.0.1" in str(said)
+        assert f"(--max-streams-per-peer={STREAMS})" in str(said)
+        # A closed stream gives its place back.
+        subs.pop().close()
+        _wait_info(bounded, lambda i: i.streams < STREAMS)
+        subs.append(Events(bounded, "no-such-pipeline"))
+        assert not isinstance(subs[-1].first(), BaseException)
+    finally:
+        for s in subs:
+            s.close()
+    _wait_info(bounded, lambda i: i.streams == held)
+    x = np.ones((4, 8), np.float32)
+    np.testing.assert_array_equal(bounded.pipe.call(x=x, timeout=60)["x"], x)
+
+
+def test_frames_being_received_are_bounded_together(bounded: Deployed) -> None:
+    """Two half-sent frames of 5 MiB each would hold 10 MiB, over --max-inflight-bytes (8 MiB):
+    the second is refused on its subscription naming the flag; the first then completes."""
+    events = Events(bounded, bounded.pipe.pipeline_id)
+    release = threading.Event()
+    try:
+        assert not isinstance(events.first(), BaseException)
+        big = np.arange(5 * MIB // 4, dtype=np.float32).reshape(5, -1)
+        first = _frame(events, 1, big)
+        assert len(first) == 5
+
+        def half_then_rest() -> Iterator[bytes]:
+            yield first[0]
+            release.wait()
+            yield from first[1:]
+
+        a = bounded.push.future(half_then_rest(), timeout=120)
+        _wait_info(bounded, lambda i: i.inflight_bytes >= big.nbytes, a)
+        second = _frame(events, 2, big + 1)
+        b = bounded.push.future(iter(second[:1]), timeout=120)
+        refused = events.answer(2)
+        assert refused.error.code == "RESOURCE_EXHAUSTED"
+        assert (f"the frames being received by this worker hold {big.nbytes} bytes; "
+                f"{big.nbytes} more would pass the limit of {INFLIGHT} (--max-inflight-bytes)"
+                ) in refused.error.message
+        assert b.result(timeout=60).frames == 1  # a refused frame does not end its stream
+        release.set()
+        done = events.answer(1)
+        assert done.result is not None
+        assert a.result(timeout=60).frames == len(first)
+    finally:
+        release.set()
+        events.close()
+    assert _wait_info(bounded, lambda i: i.inflight_bytes == 0).inflight_bytes == 0
+
+
+def test_a_frame_begun_and_not_finished_ends_its_stream(stalling: Deployed) -> None:
+    """A Push stream that sends part of a frame, then nothing: after --frame-idle-timeout the
+    frame is refused on its subscription, the stream ends RESOURCE_EXHAUSTED, and what it held
+    is freed."""
+    events = Events(stalling, stalling.pipe.pipeline_id)
+    release = threading.Event()
+    try:
+        assert not isinstance(events.first(), BaseException)
+        msgs = _frame(events, 7, np.ones((2, MIB // 4), np.float32))
+        assert len(msgs) == 2
+
+        def part() -> Iterator[bytes]:
+            yield msgs[0]
+            release.wait()
+
+        call = stalling.push.future(part(), timeout=120)
+        refused = events.answer(7)
+        assert refused.error.code == "RESOURCE_EXHAUSTED"
+        assert (f"frame of session '' step 0 began, then nothing more arrived for {IDLE_S:g} s "
+                f"(--frame-idle-timeout)") in refused.error.message
+        with pytest.raises(grpc.RpcError) as ended:
+            call.result(timeout=60)
+        assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--frame-idle-timeout" in ended.value.details()
+    finally:
+        release.set()
+        events.close()
+    assert stalling.info().inflight_bytes == 0
+    x = np.ones((4, 8), np.float32)
+    np.testing.assert_array_equal(stalling.pipe.call(x=x, timeout=60)["x"], x)
+
+
+def test_a_data_connection_message_begun_and_not_finished_is_closed(stalling: Deployed) -> None:
+    """On the data port: a message's length and one byte of its 2 MiB, then nothing: after
+    --frame-idle-timeout the worker says why and closes the connection."""
+    said = asyncio.run(_data_connection(stalling, (2 * MIB).to_bytes(4, "little") + b"\0"))
+    assert isinstance(said, LimitError)
+    assert (f"a message began, then nothing more of it arrived for {IDLE_S:g} s "
+            f"(--frame-idle-timeout); the connection is closed and the {2 * MIB} bytes it held "
+            f"are freed") in str(said)
+    assert stalling.info().inflight_bytes == 0
+
+
+async def _data_connection(d: Deployed, data: bytes) -> Exception | None:
+    """Handshake on the worker's data port, write ``data``, and read what the worker says
+    before it closes."""
+    port = d.info().data_port
+    address = f"127.0.0.1:{port}"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await stream.client_handshake(reader, writer, key=None, peer=address)
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(60):  # a bound on the test, not the assertion
+            said = await stream.read_status(reader, address)
+            assert await reader.read() == b""
+        return said
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-frame-bytes", "4M", "--max-inflight-bytes", "1M"],
+     "--max-inflight-bytes (1000000) must be >= --max-frame-bytes (4000000)"),
+    (["--max-artifact-bytes", "4M", "--max-upload-bytes", "1M"],
+     "--max-upload-bytes (1000000) must be >= --max-artifact-bytes (4000000)"),
+])
+def test_error_an_aggregate_bound_below_its_single_bound(flags: list[str], message: str) -> None:
+    """A worker-wide bound smaller than the largest single item it counts is refused at start."""
+    proc = subprocess.run([sys.executable, "-m", "jaxdist.worker", "--listen", "127.0.0.1:0",
+                           *flags], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr
