@@ -161,6 +161,9 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
                      f"{tally.lost} lost so far")
                 os.kill(proc.pid, signal.SIGKILL)
                 kills += 1
+                if proc in spawned:  # ours: reap it and close its pipes (the cluster reaps its own)
+                    stop_workers([proc])
+                    spawned.remove(proc)
                 (fresh,) = spawn_workers(1, weights_roots=[root])
                 spawned.append(fresh)
                 workers[fresh.address] = fresh

@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import signal
+import sys
 import threading
+import time
+import types
 
 import numpy as np
 import pytest
@@ -84,12 +87,35 @@ def test_recover_moves_the_dead_workers_stage_to_a_spare(mlp_root):
             with pytest.raises(RemoteStageError, match=victim.address):
                 while True:  # submit: call() would fail over by itself
                     pipe.submit({"x": _x()}).result(timeout=30)
+            dead_client = pipe.clients[1]
             (moved,) = pipe.recover()
             assert (moved.stages, moved.failed, moved.spare) == ((1,), victim.address, spare)
             assert [c.address for c in pipe.clients] == [cluster.local_workers[0].address, spare]
             assert cluster.spares == [] and spare in cluster.addresses
             np.testing.assert_allclose(pipe.call(x=_x())["x"], want, rtol=1e-5, atol=1e-5)
             assert pipe.specs[0].next_hop == spare
+            # What the dead worker held here is given back: its channel is closed, its process
+            # reaped, and the input stream of before the failover holds no thread.
+            with pytest.raises(ValueError, match="closed channel"):
+                dead_client.info(timeout=5)
+            assert victim not in cluster.local_workers and victim.process.stdout.closed
+            deadline = time.monotonic() + 60  # a hang guard: the thread ends once woken
+            while _threads_in("_requests", "channel.py") > 1 and time.monotonic() < deadline:
+                threading.Event().wait(0.05)
+            assert _threads_in("_requests", "channel.py") == 1  # the new input stream's
+
+
+def _threads_in(function: str, file: str) -> int:
+    """Threads whose stack is inside ``function`` of a file named ``file``."""
+    n = 0
+    for frame in sys._current_frames().values():
+        f: types.FrameType | None = frame
+        while f is not None:
+            if f.f_code.co_name == function and f.f_code.co_filename.endswith(file):
+                n += 1
+                break
+            f = f.f_back
+    return n
 
 
 def test_recover_without_a_spare_says_so_and_stays_broken(mlp_root):

@@ -550,6 +550,22 @@ class Cluster:
                 + (f" (spares {tried} did not answer)" if tried else
                    " (give the cluster spares=[...] to fail over)"))
 
+    def retire(self, client: WorkerClient) -> None:
+        """Close the client of a worker a failover replaced (:meth:`take_spare`), once no
+        pipeline of this cluster and no place in :attr:`clients` or :attr:`spare_clients` holds
+        it: its channel would otherwise keep a socket and try to reconnect for as long as the
+        coordinator runs."""
+        with self._spare_lock:
+            used = [*self.clients, *self.spare_clients,
+                    *(c for p in self._pipelines for c in p.clients)]
+            if any(c is client for c in used):
+                return
+        client.close()
+        gone = [w for w in self._local if w.address == client.address and not w.alive()]
+        if gone:  # a local worker that died: reap it, and close its pipes
+            stop_workers(gone)
+            self._local = [w for w in self._local if w not in gone]
+
     def interrupt(self) -> None:
         """Stop loading stages, from any thread (``jaxdist serve`` on SIGINT): a
         :meth:`load_stages` under way (a deploy, a failover) cancels its calls, unloads what

@@ -65,6 +65,10 @@ class Placement(Protocol):
         """A spare that answers, put in place of the worker ``failed``."""
         ...
 
+    def retire(self, client: WorkerClient) -> None:
+        """Close the client of a worker that was replaced, once nothing of the cluster uses it."""
+        ...
+
     def load_stages(self, pipeline_id: str, specs: Sequence[StageSpec],
                     placed: Sequence[WorkerClient], fetch: Callable[[str], bytes] | None,
                     progress: Callable[[str, int, int], None] | None = None, *,
@@ -326,6 +330,7 @@ class Pipeline:
                         p.future.set_exception(cause)
                 probe = min(self.heartbeat_timeout, 5.0)
                 dead = [c.address for c in self._unique if not self.cluster.answers(c, probe)]
+                old = {c.address: c for c in self._unique}
                 moved = {a: self.cluster.take_spare(a, probe) for a in dead}
                 clients = [moved.get(c.address, c) for c in self.clients]
                 for c in self._unique:
@@ -339,6 +344,8 @@ class Pipeline:
                                                  self._fetch, lease_s=self.lease_s,
                                                  key=self.key)
                 self._connect(specs, clients)
+                for a in moved:
+                    self.cluster.retire(old[a])
             except BaseException as exc:
                 self._broken = exc if isinstance(exc, JaxdistError) else cause
                 raise

@@ -13,6 +13,7 @@ gRPC's request-iterator thread, and the send completion back to it), ~16 us each
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -120,6 +121,7 @@ class FrameSender:
             yield item  # type: ignore[misc]
 
     def _finished(self, call: grpc.Future) -> None:
+        self._release()
         try:
             exc = call.exception()
         except grpc.FutureCancelledError:
@@ -131,6 +133,17 @@ class FrameSender:
         elif not self._closed:
             self._fail(TransportError(f"worker {self.address} closed the frame stream"))
         self._done.set()
+
+    def _release(self) -> None:
+        """End the request iterator: gRPC's thread that consumes it waits in it for the next
+        message, and would wait for ever once the call is over (one thread lost per stream)."""
+        while True:
+            try:
+                self._queue.put_nowait(_CLOSE)
+                return
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get_nowait()  # the call is over: queued messages go nowhere
 
     def _fail(self, error: TransportError) -> None:
         if self._error is None:
