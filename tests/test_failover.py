@@ -87,7 +87,7 @@ def test_recover_moves_the_dead_workers_stage_to_a_spare(mlp_root):
             with pytest.raises(RemoteStageError, match=victim.address):
                 while True:  # submit: call() would fail over by itself
                     pipe.submit({"x": _x()}).result(timeout=30)
-            dead_client = pipe.clients[1]
+            dead_client, old_sender = pipe.clients[1], pipe._sender
             (moved,) = pipe.recover()
             assert (moved.stages, moved.failed, moved.spare) == ((1,), victim.address, spare)
             assert [c.address for c in pipe.clients] == [cluster.local_workers[0].address, spare]
@@ -100,18 +100,19 @@ def test_recover_moves_the_dead_workers_stage_to_a_spare(mlp_root):
                 dead_client.info(timeout=5)
             assert victim not in cluster.local_workers and victim.process.stdout.closed
             deadline = time.monotonic() + 60  # a hang guard: the thread ends once woken
-            while _threads_in("_requests", "channel.py") > 1 and time.monotonic() < deadline:
+            while _threads_feeding(old_sender) and time.monotonic() < deadline:
                 threading.Event().wait(0.05)
-            assert _threads_in("_requests", "channel.py") == 1  # the new input stream's
+            assert _threads_feeding(old_sender) == 0
 
 
-def _threads_in(function: str, file: str) -> int:
-    """Threads whose stack is inside ``function`` of a file named ``file``."""
+def _threads_feeding(sender: object) -> int:
+    """Threads whose stack is inside ``sender``'s request iterator (``FrameSender._requests``):
+    gRPC's thread that consumes it, while the stream lives."""
     n = 0
     for frame in sys._current_frames().values():
         f: types.FrameType | None = frame
         while f is not None:
-            if f.f_code.co_name == function and f.f_code.co_filename.endswith(file):
+            if f.f_code.co_name == "_requests" and f.f_locals.get("self") is sender:
                 n += 1
                 break
             f = f.f_back
