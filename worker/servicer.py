@@ -112,6 +112,16 @@ class WorkerConfig:
     kernel_threads: int = 0                           # threads per kernel call; 0: XLA's pool
 
 
+async def _next_within(messages: AsyncIterator[T], timeout: float | None) -> T | None:
+    """A stream's next message, or ``None`` at its end.
+
+    Raises:
+        TimeoutError: none came within ``timeout`` seconds (``None``: no bound).
+    """
+    async with asyncio.timeout(timeout):
+        return await anext(messages, None)
+
+
 def _route_kind(runtime: StageRuntime) -> str:
     """How a stage's frames leave: "tcp" or "grpc" (``LoadedStage.route``)."""
     return "tcp" if isinstance(runtime.route, TcpRoute) else "grpc"
@@ -324,15 +334,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         chunks = aiter(request_iterator)
         while True:
             try:
-                async with asyncio.timeout(cfg.upload_idle_timeout):
-                    chunk = await anext(chunks)
-            except StopAsyncIteration:
-                break
+                chunk = await _next_within(chunks, cfg.upload_idle_timeout)
             except TimeoutError:
                 raise LimitError(f"UploadArtifact of {clip(digest, 80) or 'an artifact'}: no "
                                  f"data for {cfg.upload_idle_timeout:g} s "
                                  f"(--upload-idle-timeout); {size} bytes had arrived. The upload "
                                  f"is dropped") from None
+            if chunk is None:
+                break
             if len(chunk.data) + self._uploading > cfg.max_upload_bytes:
                 raise LimitError(f"UploadArtifact of {clip(digest or chunk.digest, 80)}: the "
                                  f"uploads in progress on this worker hold {self._uploading} "
@@ -604,12 +613,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 messages = aiter(request_iterator)
                 while True:
                     try:
-                        async with asyncio.timeout(ingress.idle_timeout):
-                            msg = await anext(messages)
-                    except StopAsyncIteration:
-                        break
+                        msg = await _next_within(messages, ingress.idle_timeout)
                     except TimeoutError:
                         raise await ingress.stalled(f"Push from {clip(peer, 80)}") from None
+                    if msg is None:
+                        break
                     await ingress.take(msg)
         finally:
             ingress.close()
