@@ -10,7 +10,10 @@ configurations are built up front and stay alive for the whole run:
 * ``single_f32``: the same with every weight dequantized to float32 when bound (``--dequantize``,
   what jaxdist did before the kernels), for the quantized-against-float32 ratio of the same run.
 * ``1w``, ``2w``, ``3w``: ``Cluster.local(n)`` with ``n`` stages, one per worker (exported for
-  ``cpu`` only, which is all these workers run).
+  ``cpu`` only, which is all these workers run). With ``--route tcp`` (the default) the
+  coordinator's frames and events and the hops between workers go over the workers' data
+  ports; ``--route grpc`` starts the workers ``--data-listen off``, so all of it is gRPC.
+* ``2w_grpc`` (``--compare-grpc``): 2 workers with all of it over gRPC, beside the others.
 
 Every configuration is warmed up first (a short batch-1 generation, and a short batch-8 one where
 batch 8 is measured) so no compile lands in a timed run. Then the timed runs go round-robin over
@@ -47,7 +50,7 @@ run started (``loadavg_1m_at_start``), and the range seen during its timed runs
 
 Usage::
 
-    python bench/decode.py [--quick] [--route tcp|grpc] [--out results.json]
+    python bench/decode.py [--quick] [--route tcp|grpc] [--compare-grpc] [--out results.json]
 
 Prints one JSON object per metric on stdout (``metric``, ``value``, ``unit``, ``baseline``,
 ``baseline_value``, ``ratio``, ``target``, ``meets_target`` plus detail keys). On 2 cores the
@@ -197,7 +200,8 @@ def _build_single(loaded: Any, root: str) -> Config:
 ROUTE_WORKER_ARGS = {"tcp": [], "grpc": ["--data-listen", "off"]}  # how each route is chosen
 
 
-def _build_workers(loaded: Any, root: str, n: int, route: str = "tcp") -> Config:
+def _build_workers(loaded: Any, root: str, n: int, route: str = "tcp", name: str = ""
+                   ) -> Config:
     from jaxdist.coordinator.cluster import Cluster
 
     t0 = time.perf_counter()
@@ -208,9 +212,10 @@ def _build_workers(loaded: Any, root: str, n: int, route: str = "tcp") -> Config
     except BaseException:
         cluster.close()
         raise
-    cfg = Config(f"{n}w", pipe, _generator(pipe, loaded), cluster,
+    cfg = Config(name or f"{n}w", pipe, _generator(pipe, loaded), cluster,
                  setup_s=time.perf_counter() - t0, idle_rss=idle)
-    _note(f"{n}w: spawned and deployed in {cfg.setup_s:.1f}s")
+    _note(f"{cfg.name}: spawned and deployed in {cfg.setup_s:.1f}s; the coordinator reaches "
+          f"its workers over {sorted(set(pipe.links.values()))}")
     return cfg
 
 
@@ -227,8 +232,8 @@ def _build_f32(root: str) -> Config:
     return cfg
 
 
-def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack, route: str = "tcp"
-                  ) -> list[Config]:
+def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack, route: str = "tcp",
+                  compare_grpc: bool = False) -> list[Config]:
     """The in-process pipeline and one local cluster per worker count, each deployed.
 
     Compiling dominates the setup, so the configurations are built in parallel threads (XLA
@@ -246,6 +251,8 @@ def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack, route: st
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         futures = [pool.submit(chain)] + [pool.submit(_build_workers, loaded, root, n, route)
                                           for n in WORKER_COUNTS if n != 1]
+        if compare_grpc:  # the whole data path over gRPC, as before the data ports
+            futures.append(pool.submit(_build_workers, loaded, root, 2, "grpc", "2w_grpc"))
     configs: list[Config] = []
     error: Exception | None = None
     for f in futures:  # every built configuration is closed on exit, even if another failed
@@ -259,7 +266,7 @@ def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack, route: st
             configs.append(cfg)
     if error is not None:
         raise error
-    order = ["single", "single_f32", *(f"{n}w" for n in WORKER_COUNTS)]
+    order = ["single", "single_f32", *(f"{n}w" for n in WORKER_COUNTS), "2w_grpc"]
     return sorted(configs, key=lambda c: order.index(c.name))
 
 
@@ -466,7 +473,7 @@ def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]]
     return out
 
 
-def run(quick: bool, route: str = "tcp") -> list[dict[str, Any]]:
+def run(quick: bool, route: str = "tcp", compare_grpc: bool = False) -> list[dict[str, Any]]:
     import jax
 
     from jaxdist.core import config
@@ -495,7 +502,7 @@ def run(quick: bool, route: str = "tcp") -> list[dict[str, Any]]:
                      "route_between_workers": route}
     records: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        configs = build_configs(loaded, root, stack, route)
+        configs = build_configs(loaded, root, stack, route, compare_grpc)
         measure(configs, ("single", "2w"), ids, prompts, plan)
         rss = {c.name: measure_rss(c, ids, plan.new_tokens) for c in configs if c.cluster}
         single = configs[0]
@@ -513,9 +520,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--route", choices=sorted(ROUTE_WORKER_ARGS), default="tcp",
                    help="how frames go between workers: tcp (the workers' data port) or grpc "
                         "(workers started --data-listen off) (default %(default)s)")
+    p.add_argument("--compare-grpc", action="store_true",
+                   help="also run 2 workers with the whole data path over gRPC (workers "
+                        "--data-listen off: the coordinator's streams and the hop), config "
+                        "2w_grpc, in the same interleaved rounds")
     opts = p.parse_args(argv)
     t0 = time.perf_counter()
-    records = run(opts.quick, opts.route)
+    records = run(opts.quick, opts.route, opts.compare_grpc)
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(records, f, indent=1)

@@ -30,6 +30,22 @@ def mlp_reference(root, x: np.ndarray, n_layers: int = 4) -> np.ndarray:
     return x
 
 
+def mlp_jit(root, model: Model):
+    """The units of ``model`` (an :func:`mlp`) in one process under one ``jax.jit``: the
+    single-process reference of a deployed pipeline."""
+    import jax
+
+    ws = load_file(str(root / "mlp.safetensors"))
+
+    def whole(x):
+        carry = {"x": x}
+        for i, unit in enumerate(model.units):
+            carry, _ = unit.fn({"w": ws[f"l{i}.w"]}, {}, carry)
+        return carry["x"]
+
+    return jax.jit(whole)
+
+
 def save_tiny_llama(path, *, layers: int = 4, vocab: int = 256, hidden: int = 64,
                     intermediate: int = 128, init: float = 0.1):
     """A small random Llama from transformers (seed 0), saved as safetensors in directory

@@ -19,6 +19,7 @@ import pytest
 from models import mlp, mlp_reference, save_tiny_llama
 
 from jaxdist.coordinator.cluster import Cluster
+from jaxdist.coordinator.datapath import TcpSender
 from jaxdist.core.errors import RemoteStageError, TransportError
 
 torch = pytest.importorskip("torch")
@@ -99,6 +100,29 @@ def test_recover_moves_the_dead_workers_stage_to_a_spare(mlp_root):
             with pytest.raises(ValueError, match="closed channel"):
                 dead_client.info(timeout=5)
             assert victim not in cluster.local_workers and victim.process.stdout.closed
+            # Over the data port, the old connection is closed on the loop (no thread of its
+            # own); over gRPC (test_recover_over_grpc_gives_back_the_input_streams_thread)
+            # the old stream's request-iterator thread ends.
+            assert isinstance(old_sender, TcpSender) and pipe.links[spare] == "tcp"
+            assert old_sender._conn is not None and old_sender._conn.writer.is_closing()
+            assert not [t for t in threading.enumerate() if t.name.startswith("sub-")]
+
+
+def test_recover_over_grpc_gives_back_the_input_streams_thread(mlp_root):
+    with Cluster.local(2, weights_roots=[str(mlp_root)], spares=1, data_path="grpc"
+                       ) as cluster:
+        victim = cluster.local_workers[0]
+        with cluster.deploy(mlp(), stages=2) as pipe:
+            want = mlp_reference(mlp_root, _x())
+            np.testing.assert_allclose(pipe.call(x=_x())["x"], want, rtol=1e-5, atol=1e-5)
+            victim.process.send_signal(signal.SIGKILL)
+            with pytest.raises(RemoteStageError, match=victim.address):
+                while True:
+                    pipe.submit({"x": _x()}).result(timeout=30)
+            old_sender = pipe._sender
+            pipe.recover()
+            assert set(pipe.links.values()) == {"grpc"}
+            np.testing.assert_allclose(pipe.call(x=_x())["x"], want, rtol=1e-5, atol=1e-5)
             deadline = time.monotonic() + 60  # a hang guard: the thread ends once woken
             while _threads_feeding(old_sender) and time.monotonic() < deadline:
                 threading.Event().wait(0.05)

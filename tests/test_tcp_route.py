@@ -21,13 +21,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import numpy as np
 import pytest
 from deploy_utils import cli
 from llm_utils import generate
-from models import mlp, mlp_reference
-from safetensors.numpy import load_file
+from models import mlp, mlp_jit, mlp_reference
 
 from jaxdist.coordinator.cluster import Cluster
 from jaxdist.core.errors import AuthError, CodecError, LimitError, RemoteStageError
@@ -94,16 +92,9 @@ def test_three_stages_over_tcp_and_grpc_equal_a_single_jit(tcp_cluster: Cluster,
                                                             grpc_cluster: Cluster,
                                                             mlp_root: pathlib.Path) -> None:
     model = mlp()
-    ws = load_file(str(mlp_root / "mlp.safetensors"))
-
-    def whole(x: jax.Array) -> jax.Array:  # the same units, one process, one jit
-        carry = {"x": x}
-        for i, unit in enumerate(model.units):
-            carry, _ = unit.fn({"w": ws[f"l{i}.w"]}, {}, carry)
-        return carry["x"]
-
+    whole = mlp_jit(mlp_root, model)  # the same units, one process, one jit
     xs = [_x() for _ in range(5)]
-    want = [np.asarray(jax.jit(whole)(x)) for x in xs]
+    want = [np.asarray(whole(x)) for x in xs]
     outs = {}
     for name, cluster in (("tcp", tcp_cluster), ("grpc", grpc_cluster)):
         with cluster.deploy(model, split=[2, 1, 1], platforms=("cpu",)) as pipe:

@@ -9,21 +9,34 @@ gRPC ``Push`` stream: the same checks and limits, the same stages. A bad frame i
 caller and the connection goes on, as on ``Push``. A message that cannot be read (longer than the
 limit, or not a ``Frame``) ends the connection with a goodbye saying why, logged at most once per
 kind per :data:`LOG_INTERVAL_S`; the worker goes on serving.
+
+A connection in the events mode is a coordinator's subscription, as gRPC's ``Subscribe``: its
+one ``SubscribeRequest`` is checked by the servicer (``open_subscription``: ids, the pipeline's
+key, streams per peer), then the events of ``WorkerServicer.events`` are written to it, each
+after its length, until the coordinator closes the connection. A subscription dropped for not
+reading, or refused, ends with a goodbye naming why (``RESOURCE_EXHAUSTED``,
+``PERMISSION_DENIED``), as gRPC's status would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncGenerator
+from typing import Protocol
 
 from jaxdist.core.errors import AuthError, JaxdistError, LimitError, TransportError
-from jaxdist.core.transport import stream
+from jaxdist.core.transport import frames, stream
 from jaxdist.core.transport.channel import MAX_MESSAGE_BYTES
 from jaxdist.core.transport.frames import parse_frame
 from jaxdist.core.transport.security import RefusalLog, ServerAuth
+from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.worker.ingress import FrameIngress, FrameLimits, IngressWorker
+from jaxdist.worker.runtime import SEND_TIMEOUT_S, OpenSubscription
 
-__all__ = ["HANDSHAKE_TIMEOUT_S", "MAX_HANDSHAKES", "DataListener", "message_limit"]
+__all__ = ["HANDSHAKE_TIMEOUT_S", "MAX_HANDSHAKES", "DataListener", "DataPortWorker",
+           "message_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +47,15 @@ HEADER_BYTES = 1 << 20  # a message's bytes beyond its tensor data: ids, control
 # with twice this unread, beyond the message being read
 READ_LIMIT_BYTES = 1 << 20
 LOG_INTERVAL_S = 10.0
+MAX_SUBSCRIBE_BYTES = 4096  # a SubscribeRequest: two ids and a key
+
+
+class DataPortWorker(IngressWorker, Protocol):
+    """What the data port needs of its worker (``WorkerServicer``): the ingress of frames, and
+    the subscriptions of the events mode."""
+
+    def open_subscription(self, request: bytes, what: str, peer: str) -> OpenSubscription: ...
+    def events(self, opened: OpenSubscription) -> AsyncGenerator[pb.Event, None]: ...
 
 
 def message_limit(config: FrameLimits) -> tuple[int, str]:
@@ -58,7 +80,7 @@ class DataListener:
             the worker requires client certificates), from the worker's own files.
     """
 
-    def __init__(self, worker: IngressWorker, auth: ServerAuth) -> None:
+    def __init__(self, worker: DataPortWorker, auth: ServerAuth) -> None:
         self._worker = worker
         self._auth = auth
         self._max_message, self._limit = message_limit(worker.config)
@@ -97,8 +119,11 @@ class DataListener:
         peer = "{}:{}".format(*(writer.get_extra_info("peername") or ("?", 0))[:2])
         self._connections.add(writer)
         try:
-            if await self._admit(peer, reader, writer):
+            mode = await self._admit(peer, reader, writer)
+            if mode == stream.MODE_FRAMES:
                 await self._frames(peer, reader, writer)
+            elif mode == stream.MODE_EVENTS:
+                await self._events(peer, reader, writer)
         finally:
             self._connections.discard(writer)
             if writer.transport.get_write_buffer_size():  # a goodbye it did not read
@@ -107,17 +132,17 @@ class DataListener:
                 writer.close()
 
     async def _admit(self, peer: str, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> bool:
-        """The handshake, bounded in time and in number; False (logged) when refused."""
+                     writer: asyncio.StreamWriter) -> int | None:
+        """The handshake, bounded in time and in number: the connection's mode, or ``None``
+        (logged) when refused."""
         if self._handshaking >= MAX_HANDSHAKES:
             self._refused(peer, f"more than {MAX_HANDSHAKES} connections in their handshake")
-            return False
+            return None
         self._handshaking += 1
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                await stream.server_handshake(reader, writer, key=self._auth.hmac_key,
-                                              max_message=self._max_message)
-            return True
+                return await stream.server_handshake(reader, writer, key=self._auth.hmac_key,
+                                                     max_message=self._max_message)
         except TimeoutError:
             self._refused(peer, f"no handshake within {HANDSHAKE_TIMEOUT_S}s")
         except AuthError as exc:
@@ -130,7 +155,53 @@ class DataListener:
             pass  # gone before the handshake ended: nothing to say
         finally:
             self._handshaking -= 1
-        return False
+        return None
+
+    async def _events(self, peer: str, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        """A coordinator's subscription: its request, then its events until it hangs up."""
+        try:
+            request = await stream.read_message(reader, MAX_SUBSCRIBE_BYTES,
+                                                f"{MAX_SUBSCRIBE_BYTES} bytes per "
+                                                f"SubscribeRequest", wait=HANDSHAKE_TIMEOUT_S,
+                                                idle=HANDSHAKE_TIMEOUT_S)
+            if request is None:
+                return
+            opened = self._worker.open_subscription(request, "Subscribe", peer)
+        except TimeoutError:
+            self._refused(peer, f"no SubscribeRequest within {HANDSHAKE_TIMEOUT_S}s")
+            return
+        except (TransportError, OSError):
+            return
+        except JaxdistError as exc:
+            self._refused(peer, type(exc).__name__, str(exc))
+            await _goodbye(writer, exc, events=True)
+            return
+        hangup = asyncio.get_running_loop().create_task(reader.read(1))
+        writing = asyncio.get_running_loop().create_task(self._write_events(writer, opened))
+        try:
+            await asyncio.wait((hangup, writing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+            writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writing
+            self._worker.streams.leave(opened.host)
+
+    async def _write_events(self, writer: asyncio.StreamWriter, opened: OpenSubscription
+                            ) -> None:
+        transport = writer.transport
+        try:
+            async with contextlib.aclosing(self._worker.events(opened)) as events:
+                async for event in events:
+                    stream.write_message(writer, frames.serialize(event))
+                    if transport.get_write_buffer_size():  # not all taken by the socket
+                        async with asyncio.timeout(SEND_TIMEOUT_S):
+                            await writer.drain()
+        except (OSError, TimeoutError):
+            transport.abort()  # gone, or not reading for SEND_TIMEOUT_S
+        except JaxdistError as exc:  # dropped for not reading, or the key refused
+            await _goodbye(writer, exc, events=True)
 
     async def _frames(self, peer: str, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
@@ -173,15 +244,24 @@ class DataListener:
             return
         except JaxdistError as exc:  # over a limit, or not a Frame: the connection ends
             self._refused(peer, type(exc).__name__, str(exc))
-            stream.write_status(writer, exc)
-            try:
-                async with asyncio.timeout(1.0):
-                    await writer.drain()
-            except (OSError, TimeoutError):
-                pass
+            await _goodbye(writer, exc)
         finally:
             inflight.give(reserved[0])
             ingress.close()
 
     def _refused(self, peer: str, kind: str, detail: str = "") -> None:
         self._refusals.refused(f"data connection from {peer}", kind, detail)
+
+
+async def _goodbye(writer: asyncio.StreamWriter, error: JaxdistError, *,
+                   events: bool = False) -> None:
+    """Tell the client why its connection ends, if it takes that within a second."""
+    if events:
+        stream.write_goodbye(writer, error)
+    else:
+        stream.write_status(writer, error)
+    try:
+        async with asyncio.timeout(1.0):
+            await writer.drain()
+    except (OSError, TimeoutError):
+        pass

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from jaxdist.core.errors import TransportError
@@ -31,7 +32,8 @@ from jaxdist.core.transport.security import ClientAuth
 from jaxdist.core.transport.trust import PeerTrust, check_hop, peer_credentials
 from jaxdist.proto import jaxdist_pb2 as pb
 
-__all__ = ["HEARTBEAT", "GrpcRoute", "Hub", "PeerPool", "Subscription", "publish_failure"]
+__all__ = ["HEARTBEAT", "GrpcRoute", "Hub", "OpenSubscription", "PeerPool", "Subscription",
+           "publish_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,15 @@ def _nbytes(event: Any) -> int:
         return len(event)
     size = getattr(event, "ByteSize", None)
     return int(size()) if size is not None else 0
+
+
+@dataclass(frozen=True)
+class OpenSubscription:
+    """A checked ``SubscribeRequest`` and the peer host its stream is counted under
+    (``WorkerServicer.open_subscription``)."""
+
+    request: pb.SubscribeRequest
+    host: str
 
 
 class Subscription:

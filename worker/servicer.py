@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import hmac
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -61,7 +62,14 @@ from jaxdist.worker.limits import (
     default_max_kv_bytes,
 )
 from jaxdist.worker.loads import CallerLeft, Load, Loads
-from jaxdist.worker.runtime import HEARTBEAT, GrpcRoute, Hub, PeerPool, Subscription
+from jaxdist.worker.runtime import (
+    HEARTBEAT,
+    GrpcRoute,
+    Hub,
+    OpenSubscription,
+    PeerPool,
+    Subscription,
+)
 from jaxdist.worker.tcp_route import TcpRoute
 
 __all__ = ["WorkerConfig", "WorkerServicer"]
@@ -647,22 +655,43 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         ``request`` is a ``SubscribeRequest``'s bytes (see ``jaxdist.core.transport.wire``)."""
         try:
-            sub = wire.parse_request(pb.SubscribeRequest, request)
-            check_ids("Subscribe", self.config.max_id_bytes, pipeline_id=sub.pipeline_id,
-                      reply_to=sub.reply_to)
-            self._check_key("Subscribe", sub.pipeline_id, sub.pipeline_key)
-            host = self.streams.enter("Subscribe", context.peer())
+            sub = self.open_subscription(request, "Subscribe", context.peer())
         except JaxdistError as exc:
             await context.abort(_failure(exc, context, "Subscribe"), str(exc))
             raise  # unreachable: abort raises
         try:
-            async for event in self._events(sub, context):
-                yield event
+            async with contextlib.aclosing(self.events(sub)) as events:
+                async for event in events:
+                    yield event
+        except JaxdistError as exc:  # dropped for not reading, or the key no longer opens it
+            await context.abort(_failure(exc, context, "Subscribe"), str(exc))
         finally:
-            self.streams.leave(host)
+            self.streams.leave(sub.host)
 
-    async def _events(self, sub: pb.SubscribeRequest, context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[pb.Event]:
+    def open_subscription(self, request: bytes, what: str, peer: str) -> OpenSubscription:
+        """Check a ``SubscribeRequest`` (its bytes) of ``peer`` and count its stream (the caller
+        gives it back: ``streams.leave(sub.host)``). Shared by gRPC's ``Subscribe`` and the
+        data port's events connections (``data_listener.py``).
+
+        Raises:
+            CodecError: not a ``SubscribeRequest``. LimitError: ids too long, or too many
+                streams from ``peer``. PipelineKeyError: the key does not open the pipeline.
+        """
+        sub = wire.parse_request(pb.SubscribeRequest, request)
+        check_ids(what, self.config.max_id_bytes, pipeline_id=sub.pipeline_id,
+                  reply_to=sub.reply_to)
+        self._check_key(what, sub.pipeline_id, sub.pipeline_key)
+        return OpenSubscription(sub, self.streams.enter(what, peer))
+
+    async def events(self, opened: OpenSubscription) -> AsyncGenerator[pb.Event, None]:
+        """The events of one subscription: a heartbeat at once (it is registered), then
+        results, errors and heartbeats, until it ends.
+
+        Raises:
+            LimitError: the subscriber was dropped for not reading (``RESOURCE_EXHAUSTED``).
+            PipelineKeyError: the pipeline was loaded by another coordinator since.
+        """
+        sub = opened.request
         q = self.hub.open(sub.pipeline_id, sub.reply_to)
         beat = asyncio.get_running_loop().create_task(self._heartbeats(q))
         try:
@@ -671,17 +700,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 event = await q.get()
                 if event is None:
                     if q.dropped is not None:  # it did not read: it hears why, once
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, q.dropped)
+                        raise LimitError(q.dropped)
                     return
                 if sub.pipeline_id in self._keys and not self.key_matches(sub.pipeline_id,
                                                                           sub.pipeline_key):
                     # Subscribed before the pipeline was loaded, by another coordinator.
-                    refused = PipelineKeyError(
+                    raise PipelineKeyError(
                         f"Subscribe: pipeline {clip(sub.pipeline_id, 64)!r} was loaded on "
                         f"worker {self.address} by another coordinator since this "
                         f"subscription began; its key is not the one this subscription "
                         f"presented")
-                    await context.abort(_failure(refused, context, "Subscribe"), str(refused))
                 if event is HEARTBEAT:
                     event = pb.Event(heartbeat=time.monotonic() - self.started)
                 yield event

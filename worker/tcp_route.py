@@ -26,6 +26,7 @@ from typing import Any
 from jaxdist.core.errors import JaxdistError, LimitError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport import stream
+from jaxdist.core.transport.dataconn import DataConnection, open_connection
 from jaxdist.core.transport.frames import FrameHeader, split_frame
 from jaxdist.core.transport.security import ClientAuth
 from jaxdist.core.transport.trust import PeerTrust, check_hop
@@ -34,51 +35,6 @@ from jaxdist.worker.runtime import SEND_TIMEOUT_S, Hub, publish_failure
 __all__ = ["TcpRoute"]
 
 log = logging.getLogger(__name__)
-
-CONNECT_TIMEOUT_S = 10.0  # connect, TLS and the handshake with the next hop's data port
-WRITE_BUFFER_BYTES = 4 << 20  # a write waits once this much is queued beyond the socket's own
-
-
-class _Connection:
-    """One data connection: its streams, the server's message limit, and why it broke."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 max_message: int, peer: str) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.max_message = max_message
-        self.error: JaxdistError | None = None
-        self._watch = asyncio.get_running_loop().create_task(self._watch_for_close(peer))
-
-    async def _watch_for_close(self, peer: str) -> None:
-        """The server sends nothing more unless it closes the connection: then at most a
-        goodbye saying why (``stream.read_status``)."""
-        try:
-            said = await stream.read_status(self.reader, peer)
-        except JaxdistError as exc:
-            said = exc
-        except OSError as exc:
-            said = TransportError(f"data connection to {peer} failed: {exc}")
-        self.error = self.error or said or TransportError(
-            f"data port {peer} sent an empty status after the handshake")
-
-    def broken(self, error: JaxdistError) -> None:
-        """Mark the connection unusable (part of a frame may be on the wire) and drop it."""
-        if self.error is None:
-            self.error = error
-        self._watch.cancel()
-        self.writer.transport.abort()
-
-    async def close(self, timeout: float = 5.0) -> None:
-        """Close after the bytes already written; drop them after ``timeout`` seconds."""
-        self._watch.cancel()
-        self.writer.close()
-        try:
-            async with asyncio.timeout(timeout):
-                await self.writer.wait_closed()
-        except (OSError, TimeoutError):
-            self.writer.transport.abort()
-
 
 class TcpRoute:
     """The route of one stage on a worker whose next stage has a data port.
@@ -104,7 +60,7 @@ class TcpRoute:
         self._hub = hub
         self._auth = auth
         self._address = address
-        self._conn: _Connection | None = None
+        self._conn: DataConnection | None = None
         self._lock = asyncio.Lock()  # a frame's messages never interleave with another's
 
     def _where(self) -> str:
@@ -112,32 +68,12 @@ class TcpRoute:
         return (f"stage {spec.stage_index} could not forward to stage {spec.stage_index + 1} at "
                 f"{spec.next_hop} (data port {spec.next_data_hop})")
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> DataConnection:
         hop = self._spec.next_data_hop
-        host, _, port = hop.rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
-        context = self._auth.ssl_context
         check_hop(hop, self._auth, self._trust, stage=f"stage {self._spec.stage_index} of "
                                                       f"pipeline {self._pipeline_id[:64]}")
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(
-                    host, int(port), ssl=context, server_hostname=host if context else None)
-                try:
-                    hello = await stream.client_handshake(reader, writer,
-                                                          key=self._auth.hmac_key, peer=hop)
-                except BaseException:
-                    writer.close()
-                    raise
-        except TimeoutError:
-            raise TransportError(f"{self._where()}: no connection and handshake within "
-                                 f"{CONNECT_TIMEOUT_S}s") from None
-        except OSError as exc:  # refused, unreachable, reset, TLS handshake failed
-            raise TransportError(f"{self._where()}: {exc}") from None
-        except JaxdistError as exc:  # refused the proof, or not a data port
-            raise type(exc)(f"{self._where()}: {exc}", code=exc.code) from None
-        writer.transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
-        return _Connection(reader, writer, hello.max_message, hop)
+        return await open_connection(hop, where=self._where(), key=self._auth.hmac_key,
+                                     context=self._auth.ssl_context)
 
     async def forward(self, header: FrameHeader, outputs: Mapping[str, Any]) -> None:
         if not self._spec.next_data_hop:  # the servicer gives a TcpRoute only to such stages
@@ -153,7 +89,7 @@ class TcpRoute:
                 conn = self._conn = await self._connect()
             await self._send(conn, header, outputs)
 
-    async def _send(self, conn: _Connection, header: FrameHeader, outputs: Mapping[str, Any]
+    async def _send(self, conn: DataConnection, header: FrameHeader, outputs: Mapping[str, Any]
                     ) -> None:
         writer = conn.writer
         transport = writer.transport

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # gRPC is imported only by the verbs that dial workers
     from jaxdist.core.transport.security import ClientAuth
 
 __all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "auth_files", "client_args_of",
-           "client_auth_of", "open_cluster", "parse_workers"]
+           "client_auth_of", "cluster_args_of", "open_cluster", "parse_workers"]
 
 
 def add_auth_args(p: argparse.ArgumentParser) -> None:
@@ -62,6 +62,13 @@ def client_args_of(opts: argparse.Namespace) -> dict[str, Any]:
     for: ``metadata``, ``credentials`` and ``insecure_token``."""
     auth = client_auth_of(opts)
     return {"metadata": auth.metadata, "credentials": auth.credentials,
+            "insecure_token": bool(getattr(opts, "insecure_token", False))}
+
+
+def cluster_args_of(opts: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``Cluster`` the credential options ask for: ``auth`` (the
+    files read, which also open the workers' data ports) and ``insecure_token``."""
+    return {"auth": client_auth_of(opts),
             "insecure_token": bool(getattr(opts, "insecure_token", False))}
 
 
@@ -129,7 +136,7 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
                                f"(HOST:PORT,...); a count is for --local")
         cluster = Cluster.connect(addresses, heartbeat_timeout=opts.heartbeat_timeout,
                                   spares=[a.strip() for a in spares.split(",") if a.strip()],
-                                  **client_args_of(opts))
+                                  **cluster_args_of(opts))
     else:
         if spares and not re.fullmatch(r"[0-9]{1,3}", spares, re.ASCII):
             raise JaxdistError(f"--spares {spares!r}: with --local, give a number of spare "

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from jaxdist.cli.common import ProgressBar, add_auth_args, client_args_of
+from jaxdist.cli.common import ProgressBar, add_auth_args, client_args_of, cluster_args_of
 from jaxdist.core.errors import JaxdistError, SpecError
 from jaxdist.registry.manifest import open_manifest
 
@@ -63,7 +63,7 @@ def run_deploy(opts: argparse.Namespace) -> int:
 
     manifest, digest, store = open_manifest(opts.manifest, opts.registry)
     t0 = time.perf_counter()
-    cluster = Cluster.connect(_addresses(opts.workers), **client_args_of(opts))
+    cluster = Cluster.connect(_addresses(opts.workers), **cluster_args_of(opts))
     try:
         with ProgressBar() as bar:
             pipe = cluster.deploy_manifest(manifest, registry=store, model_path=opts.model_path,

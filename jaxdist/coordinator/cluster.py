@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from jaxdist.coordinator.datapath import DataAuth, data_auth
 from jaxdist.coordinator.loading import LoadInterrupted, load_stages, new_pipeline_key
 from jaxdist.coordinator.pipeline import Pipeline, Session
 from jaxdist.coordinator.spawn import LocalWorker, spawn_workers, stop_workers
@@ -33,7 +34,7 @@ from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S, LEASE_S
 from jaxdist.core.errors import ArtifactError, JaxdistError, SpecError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport.client import WorkerClient
-from jaxdist.core.transport.security import client_auth
+from jaxdist.core.transport.security import ClientAuth, client_auth
 from jaxdist.export.model import Model
 from jaxdist.export.stages import Progress, build_stage_specs, log_progress, plan_stages
 from jaxdist.proto import jaxdist_pb2 as pb
@@ -85,6 +86,13 @@ class Cluster:
         lease_s: the stages this cluster loads are leased for this long: a worker unloads them
             once nobody has subscribed to their pipeline there for that long (this coordinator
             died). 0: pinned. ``deploy_manifest(..., pin=True)`` pins one deploy.
+        auth: the token and TLS files as read by
+            :func:`jaxdist.core.transport.security.client_auth`, in place of ``metadata`` and
+            ``credentials``: with TLS, the pipelines then also reach the workers' data ports
+            (which gRPC credentials alone do not open).
+        data_path: ``"tcp"`` (default): a pipeline's frames and events go over the workers'
+            data ports where they have one (:mod:`jaxdist.coordinator.datapath`); ``"grpc"``:
+            over gRPC ``Push`` and ``Subscribe`` streams.
 
     Example:
         >>> with Cluster.local(2, weights_roots=["/srv/models"]) as cluster:  # doctest: +SKIP
@@ -97,9 +105,19 @@ class Cluster:
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, metadata: tuple[tuple[str, str], ...] = (),
                  credentials: grpc.ChannelCredentials | None = None,
                  spares: Sequence[str] = (), lease_s: float = LEASE_S,
-                 insecure_token: bool = False) -> None:
+                 insecure_token: bool = False, auth: ClientAuth | None = None,
+                 data_path: str = "tcp") -> None:
         if not addresses:
             raise TransportError("a cluster needs at least one worker address")
+        if data_path not in ("tcp", "grpc"):
+            raise TransportError(f"data_path={data_path!r}: expected 'tcp' or 'grpc'")
+        if auth is not None:
+            metadata, credentials = auth.metadata, auth.credentials
+        self.data_auth: DataAuth | None = None
+        self.data_auth_why = "the cluster was made with data_path='grpc'"
+        if data_path == "tcp":
+            self.data_auth, self.data_auth_why = data_auth(
+                metadata=metadata, tls=credentials is not None, auth=auth)
         both = sorted(set(addresses) & set(spares))
         if both:
             raise TransportError(f"workers {both} are given both as workers and as spares")
@@ -155,11 +173,12 @@ class Cluster:
         ``tls_cert``, ``tls_key`` and ``tls_ca`` are also the cluster's own credentials.
         """
         ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout",
-                                                           "lease_s", "insecure_token")
+                                                           "lease_s", "insecure_token",
+                                                           "data_path")
                                 if k in kwargs}
         auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
                                                        "tls_ca") if kwargs.get(k)})
-        ctor.update(metadata=auth.metadata, credentials=auth.credentials)
+        ctor.update(auth=auth)
         workers = spawn_workers(n + spares, weights_roots=[str(r) for r in weights_roots],
                                 device=device, **kwargs)
         try:
@@ -217,11 +236,12 @@ class Cluster:
         if spares < 0:
             raise TransportError(f"spares={spares}: expected a number of spare workers >= 0")
         ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout",
-                                                           "lease_s", "insecure_token")
+                                                           "lease_s", "insecure_token",
+                                                           "data_path")
                                 if k in kwargs}
         auth = client_auth(**{k: kwargs[k] for k in ("token_file", "tls_cert", "tls_key",
                                                        "tls_ca") if kwargs.get(k)})
-        ctor.update(metadata=auth.metadata, credentials=auth.credentials)
+        ctor.update(auth=auth)
         group = start_workers(n + spares, resources=resources, strategy=strategy,
                               address=address, **kwargs)
         try:

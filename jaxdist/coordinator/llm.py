@@ -211,5 +211,4 @@ def _params(sampling: Mapping[str, Any]) -> SamplingParams:
 def _client_auth(files: Mapping[str, str]) -> dict[str, Any]:
     from jaxdist.core.transport.security import client_auth  # noqa: PLC0415
 
-    auth = client_auth(**files)
-    return {"metadata": auth.metadata, "credentials": auth.credentials}
+    return {"auth": client_auth(**files)}

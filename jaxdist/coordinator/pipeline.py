@@ -1,8 +1,10 @@
 """A deployed, running pipeline: stream inputs to its stages and collect their outputs.
 
 A :class:`Pipeline` is made by :meth:`jaxdist.coordinator.cluster.Cluster.deploy`. It only dials out. It
-streams frames to stage 0 over one long-lived ``Push`` stream and holds one ``Subscribe`` stream
-per worker of the pipeline. Results come straight from the last stage on its subscription; an
+streams frames to stage 0 over one long-lived connection and holds one subscription per worker
+of the pipeline: data connections to the workers' data ports, all on the process's one data
+loop (:mod:`jaxdist.coordinator.datapath`), or gRPC ``Push`` and ``Subscribe`` streams to a
+worker without a data port (:attr:`Pipeline.links` says which). Results come straight from the last stage on its subscription; an
 error in any stage comes from that stage's worker on its own subscription, with the stage index,
 the address and the remote traceback. Heartbeats on every subscription tell a frozen worker from a
 slow one, and a broken subscription names a dead worker within seconds. A :class:`Session` runs
@@ -17,6 +19,7 @@ session (the generation engine prefills its running requests again, see
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -29,9 +32,11 @@ from typing import Any, Protocol, Self
 import grpc
 import numpy as np
 
+from jaxdist.coordinator.datapath import DataAuth, TcpEvents, TcpSender
 from jaxdist.core import control
 from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S
 from jaxdist.core.errors import (
+    CodecError,
     JaxdistError,
     LimitError,
     PipelineKeyError,
@@ -39,9 +44,11 @@ from jaxdist.core.errors import (
     TransportError,
 )
 from jaxdist.core.spec import StageSpec
+from jaxdist.core.transport.channel import FrameSender
 from jaxdist.core.transport.client import WorkerClient
-from jaxdist.core.transport.frames import FrameAssembler, FrameHeader, split_frame
+from jaxdist.core.transport.frames import EventView, FrameAssembler, FrameHeader, split_frame
 from jaxdist.export.model import Model
+from jaxdist.proto import jaxdist_pb2 as pb
 
 __all__ = ["Failover", "Pipeline", "Placement", "Session"]
 
@@ -56,6 +63,8 @@ class Placement(Protocol):
     """
 
     spare_clients: list[WorkerClient]
+    data_auth: DataAuth | None  # how to reach the workers' data ports; None: gRPC only
+    data_auth_why: str  # why data_auth is None
 
     def answers(self, client: WorkerClient, timeout: float) -> bool:
         """Whether a worker answers within ``timeout`` seconds."""
@@ -106,6 +115,12 @@ class Pipeline:
 
     Created by :meth:`Cluster.deploy`. For stateful models use :meth:`session`.
 
+    Attributes:
+        links: how this coordinator reaches each worker of the pipeline, by address:
+            ``"tcp"`` (its data port, on the process's data loop) or ``"grpc"`` (``Push`` and
+            ``Subscribe`` streams: the worker has no data port, or the cluster was made with
+            ``data_path="grpc"``; logged when chosen).
+
     Example:
         >>> pipe = cluster.deploy(model)                                  # doctest: +SKIP
         >>> y = pipe.call(x=x)["x"]  # one step; waits for the last stage  # doctest: +SKIP
@@ -155,7 +170,20 @@ class Pipeline:
         # Set by a subscription's first event: the worker sends it once the subscription is
         # registered, so a result published after that has somewhere to go.
         self._subscribed = {c.address: threading.Event() for c in self._unique}
+        hops = {c.address: self._data_hop(c) for c in self._unique}
+        self.links = {a: "tcp" if hop else "grpc" for a, hop in hops.items()}
+        request = pb.SubscribeRequest(pipeline_id=self.pipeline_id, reply_to=self.reply_to,
+                                      pipeline_key=self.key)
+        auth = self.cluster.data_auth
         for c in self._unique:
+            hop = hops[c.address]
+            if hop and auth is not None:
+                asm = FrameAssembler()
+                self._subs.append(TcpEvents(
+                    hop, c.address, auth, request,
+                    on_event=functools.partial(self._on_event, c.address, epoch, asm),
+                    on_end=functools.partial(self._on_end, c.address, epoch)))
+                continue
             call = c.subscribe(self.pipeline_id, self.reply_to, self.key)
             self._subs.append(call)
             threading.Thread(target=self._listen, args=(c.address, call, epoch),
@@ -170,65 +198,103 @@ class Pipeline:
                 call.cancel()
             raise self._key_refused
         first = self.clients[0].address
-        self._sender = self.clients[0].sender(
-            on_error=lambda e: self._fail_worker(first, str(e), epoch))
+        on_error = functools.partial(self._sender_failed, first, epoch)
+        if hops[first] and auth is not None:
+            self._sender: TcpSender | FrameSender = TcpSender(hops[first], first, auth,
+                                                              on_error=on_error)
+        else:
+            self._sender = self.clients[0].sender(on_error=on_error)
+
+    def _data_hop(self, client: WorkerClient) -> str:
+        """The data port of ``client``'s worker to reach it on, or ``""`` (logged): gRPC."""
+        why = self.cluster.data_auth_why
+        if self.cluster.data_auth is not None:
+            try:
+                port = client.info().data_port
+            except JaxdistError as exc:  # its subscription will say what is wrong
+                log.debug("Info of %s: %s", client.address, exc)
+                return ""
+            if port:
+                return f"{client.address.rpartition(':')[0]}:{port}"
+            why = "it has no data port (--data-listen off, or a jaxdist without one)"
+        log.warning("pipeline %s reaches worker %s over gRPC, which costs more per frame than "
+                    "its data port: %s", self.pipeline_id, client.address, why)
+        return ""
+
+    def _sender_failed(self, address: str, epoch: int, error: TransportError) -> None:
+        self._fail_worker(address, str(error), epoch)
 
     # -- receiving --------------------------------------------------------------------------
 
     def _listen(self, address: str, call: Any, epoch: int) -> None:
-        subscribed = self._subscribed[address]
-        try:
-            self._receive(address, call, epoch, subscribed)
-        finally:  # a subscription that failed at once must not hold up _connect
-            subscribed.set()
-
-    def _receive(self, address: str, call: Any, epoch: int, subscribed: threading.Event
-                 ) -> None:
+        """A gRPC subscription's thread (a worker without a data port)."""
         asm = FrameAssembler()
         try:
             for view in call:  # frames.EventView (see jaxdist.core.transport.wire)
-                if epoch != self._epoch:
-                    return  # a failover replaced this subscription
-                self._last_seen[address] = time.monotonic()
-                subscribed.set()
-                if view.result is not None:
-                    done = asm.add(view.result)
-                    if done is not None:
-                        header, tensors = done
-                        self._resolve(header.request_id, tensors)
-                    continue
-                event = view.msg
-                if event.WhichOneof("kind") == "error":
-                    e = event.error
-                    hop = self._unreachable_hop(e.stage, e.code)
-                    if hop is not None:
-                        # Stage k could not reach stage k+1: that worker is down. Mark the
-                        # pipeline broken before the step's future fails, so whoever wakes
-                        # on it sees a broken pipeline and fails over (never the reverse).
-                        self._fail_worker(hop, f"stage {e.stage} at {e.address or address} "
-                                               f"could not reach it: {e.message}", epoch)
-                        continue  # the step failed with the pipeline's error, naming the hop
-                    self._reject(event.request_id, RemoteStageError(
-                        e.message, stage=e.stage, address=e.address or address,
-                        remote_type=e.type, remote_traceback=e.traceback, code=e.code or None))
+                if not self._on_event(address, epoch, asm, view):
+                    return
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
-                # Not a dead worker: this pipeline is another coordinator's (its key differs).
-                refused = PipelineKeyError(f"worker {address}: {exc.details()}")
-                with self._lock:
-                    self._key_refused = self._key_refused or refused
-                self._fail_worker(address, str(refused), epoch)
-                return
-            self._fail_worker(address, f"{exc.code().name}: {exc.details()}", epoch)
+                self._on_end(address, epoch, PipelineKeyError(f"worker {address}: "
+                                                              f"{exc.details()}"))
+            else:
+                self._on_end(address, epoch, TransportError(f"{exc.code().name}: "
+                                                            f"{exc.details()}"))
             return
-        except LimitError as exc:  # a result larger than this coordinator assembles
-            self._fail_worker(address, f"sent a result over the coordinator's limit: {exc}",
-                              epoch)
+        except JaxdistError as exc:  # a malformed event
+            self._on_end(address, epoch, exc)
             return
-        except JaxdistError as exc:  # a malformed result frame
-            self._fail_worker(address, f"sent a malformed result: {exc}", epoch)
-            return
-        self._fail_worker(address, "closed its event stream", epoch)
+        finally:  # a subscription that failed at once must not hold up _connect
+            self._subscribed[address].set()
+        self._on_end(address, epoch, TransportError("closed its event stream"))
+
+    def _on_event(self, address: str, epoch: int, asm: FrameAssembler, view: EventView
+                  ) -> bool:
+        """One event of ``address``'s subscription; False: stop listening to it."""
+        if epoch != self._epoch:
+            return False  # a failover replaced this subscription
+        self._last_seen[address] = time.monotonic()
+        self._subscribed[address].set()
+        if view.result is not None:
+            try:
+                done = asm.add(view.result)
+            except LimitError as exc:  # a result larger than this coordinator assembles
+                self._fail_worker(address, f"sent a result over the coordinator's limit: {exc}",
+                                  epoch)
+                return False
+            except JaxdistError as exc:  # a malformed result frame
+                self._fail_worker(address, f"sent a malformed result: {exc}", epoch)
+                return False
+            if done is not None:
+                header, tensors = done
+                self._resolve(header.request_id, tensors)
+            return True
+        event = view.msg
+        if event.WhichOneof("kind") == "error":
+            e = event.error
+            hop = self._unreachable_hop(e.stage, e.code)
+            if hop is not None:
+                # Stage k could not reach stage k+1: that worker is down. Mark the
+                # pipeline broken before the step's future fails, so whoever wakes
+                # on it sees a broken pipeline and fails over (never the reverse).
+                self._fail_worker(hop, f"stage {e.stage} at {e.address or address} "
+                                       f"could not reach it: {e.message}", epoch)
+                return True  # the step failed with the pipeline's error, naming the hop
+            self._reject(event.request_id, RemoteStageError(
+                e.message, stage=e.stage, address=e.address or address,
+                remote_type=e.type, remote_traceback=e.traceback, code=e.code or None))
+        return True
+
+    def _on_end(self, address: str, epoch: int, error: JaxdistError) -> None:
+        """``address``'s subscription ended by itself, for ``error``."""
+        self._subscribed[address].set()
+        if isinstance(error, PipelineKeyError):
+            # Not a dead worker: this pipeline is another coordinator's (its key differs).
+            with self._lock:
+                self._key_refused = self._key_refused or error
+        elif isinstance(error, CodecError):
+            error = CodecError(f"sent a malformed event: {error}")
+        self._fail_worker(address, str(error), epoch)
 
     def _unreachable_hop(self, stage: int, code: str) -> str | None:
         """The address of stage ``stage + 1`` when stage ``stage`` reports it unreachable."""
@@ -387,8 +453,8 @@ class Pipeline:
                              control=ctl, key=self.key)
         try:
             with self._send_lock:
-                for msg in split_frame(header, tensors):
-                    self._sender.send(msg, timeout=self.heartbeat_timeout * 4)
+                self._sender.send_frame(list(split_frame(header, tensors)),
+                                        timeout=self.heartbeat_timeout * 4)
         except JaxdistError as exc:
             with self._lock:
                 self._pending.pop(request_id, None)

@@ -168,6 +168,12 @@ class FrameSender:
             raise TransportError(f"worker {self.address} did not accept frames for {timeout}s "
                                  f"({self._queue.maxsize} queued)") from None
 
+    def send_frame(self, msgs: Iterable[bytes | pb.Frame], timeout: float | None = None
+                   ) -> None:
+        """Queue the messages of one frame (the caller keeps frames from interleaving)."""
+        for msg in msgs:
+            self.send(msg, timeout)
+
     def close(self, *, cancel: bool = False) -> None:
         """End the stream after the queued messages (or at once with ``cancel``)."""
         if self._closed:

@@ -10,10 +10,22 @@ It runs on asyncio streams, over plain TCP or over TLS with the worker's own fil
 Wire format, version :data:`VERSION` (integers little-endian)::
 
     server -> client   hello     MAGIC | version u8 | flags u8 | max_message u32 | nonce (32)
-    client -> server   answer    MAGIC | version u8 | proof (32)
+    client -> server   answer    MAGIC | version u8 | proof (32) [| mode u8]
     server -> client   verdict   a status record; empty: accepted
-    client -> server   messages  length u32 | one serialized Frame          (repeated)
-    server -> client   goodbye   at most one status record, just before it closes
+
+then, in the connection's mode:
+
+    frames (mode 0)    client -> server   length u32 | one serialized Frame   (repeated)
+                       server -> client   goodbye: at most one status record, just before
+                                          it closes
+    events (mode 1)    client -> server   length u32 | one SubscribeRequest   (once)
+                       server -> client   length u32 | one serialized Event   (repeated)
+                                          then at most a goodbye: length 0, a status record
+
+An answer of version 1 has no mode byte and asks for frames (what a worker's
+``TcpRoute`` sends); an answer of version 2 carries the mode. A server that takes version 2
+says so in its hello's flags (:data:`FLAG_MODES`): an older one is never sent an answer it
+cannot read. The events mode is a coordinator's subscription (``Subscribe`` without gRPC).
 
 A status record is ``length u32 | UTF-8 text``, the text ``CODE\\nErrorClass\\nmessage``: a
 status code name as on gRPC, read back into an error class by ``transport/status.py``.
@@ -42,8 +54,9 @@ import grpc
 from jaxdist.core.errors import AuthError, CodecError, JaxdistError, LimitError, TransportError
 from jaxdist.core.transport import status
 
-__all__ = ["CONTEXT", "FLAG_TOKEN", "MAGIC", "VERSION", "Hello", "client_handshake", "proof",
-           "read_message", "read_status", "server_handshake", "write_message", "write_status"]
+__all__ = ["CONTEXT", "FLAG_MODES", "FLAG_TOKEN", "MAGIC", "MODE_EVENTS", "MODE_FRAMES",
+           "VERSION", "Hello", "client_handshake", "proof", "read_message", "read_status",
+           "server_handshake", "write_goodbye", "write_message", "write_status"]
 
 MAGIC = b"JXDD"
 VERSION = 1
@@ -51,6 +64,10 @@ CONTEXT = b"jaxdist data connection, protocol version 1: client proof"
 """What the client's proof is bound to besides the nonce: this protocol and its version, so a
 proof made for anything else is no proof here."""
 FLAG_TOKEN = 1  # the server requires a proof of the token
+FLAG_MODES = 2  # the server reads answers of version 2 (with a mode byte)
+MODE_FRAMES = 0  # the client sends frames
+MODE_EVENTS = 1  # the client subscribes to a pipeline's events
+MODES = {MODE_FRAMES: "frames", MODE_EVENTS: "events"}
 NONCE_BYTES = 32
 MAX_STATUS_BYTES = 4096  # a verdict's or goodbye's text is clipped to this
 
@@ -132,6 +149,12 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str,
                              f"message's {n} bytes") from None
 
 
+def write_goodbye(writer: asyncio.StreamWriter, error: JaxdistError) -> None:
+    """Queue the goodbye of an events connection: an empty message, then the status record."""
+    writer.write(_LEN.pack(0))
+    write_status(writer, error)
+
+
 def write_status(writer: asyncio.StreamWriter, error: JaxdistError | None) -> None:
     """Queue a status record: accepted (``None``), or the error's status code and message."""
     text = b"" if error is None else (f"{error.code}\n{type(error).__name__}\n{error}"
@@ -179,8 +202,9 @@ class Hello:
 
 
 async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                           key: bytes | None, max_message: int) -> None:
-    """The server's half: send the hello, check the answer, send the verdict.
+                           key: bytes | None, max_message: int) -> int:
+    """The server's half: send the hello, check the answer, send the verdict. Returns the
+    connection's mode (:data:`MODE_FRAMES` or :data:`MODE_EVENTS`).
 
     Bound it in time (``asyncio.timeout``): a client that never answers holds the connection
     until then. A refusal is sent to the client before the error is raised.
@@ -195,10 +219,13 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
         TransportError: the client closed the connection first.
     """
     nonce = secrets.token_bytes(NONCE_BYTES)
-    writer.write(_HELLO.pack(MAGIC, VERSION, FLAG_TOKEN if key is not None else 0,
+    writer.write(_HELLO.pack(MAGIC, VERSION, FLAG_MODES | (FLAG_TOKEN if key is not None else 0),
                              max_message, nonce))
+    mode = MODE_FRAMES
     try:
         magic, version, given = _ANSWER.unpack(await reader.readexactly(_ANSWER.size))
+        if magic == MAGIC and version == 2:
+            mode = (await reader.readexactly(1))[0]
     except asyncio.IncompleteReadError:
         raise TransportError("the client closed the data connection during the handshake"
                              ) from None
@@ -206,9 +233,12 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     if magic != MAGIC:
         error = CodecError("not a jaxdist data connection: the answer does not begin with "
                            f"{MAGIC!r}")
-    elif version != VERSION:
+    elif version not in (VERSION, 2):
         error = CodecError(f"the client speaks data protocol version {version}; this worker "
-                           f"speaks version {VERSION}")
+                           f"speaks versions {VERSION} and 2")
+    elif mode not in MODES:
+        error = CodecError(f"the client asks for mode {mode} of the data protocol; this worker "
+                           f"knows modes {sorted(MODES)} ({', '.join(MODES.values())})")
     elif key is not None:
         if given == _NO_PROOF:
             error = AuthError("missing credentials: this worker's data port requires a proof "
@@ -220,16 +250,18 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     await writer.drain()
     if error is not None:
         raise error
+    return mode
 
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                           key: bytes | None, peer: str) -> Hello:
+                           key: bytes | None, peer: str, mode: int = MODE_FRAMES) -> Hello:
     """The client's half: read the hello, answer it (with a proof when one is asked for and
-    ``key`` is given), read the verdict.
+    ``key`` is given) for a connection of ``mode``, read the verdict.
 
     Raises:
         AuthError: the server refused the proof, or asked for one and ``key`` is ``None``.
-        CodecError: the server does not speak this protocol or version.
+        CodecError: the server does not speak this protocol or version, or not ``mode`` (an
+            older worker has only frames).
         TransportError: the connection closed first.
     """
     try:
@@ -246,7 +278,13 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
                          f"speaks version {VERSION}")
     needs_token = bool(flags & FLAG_TOKEN)
     answer = proof(key, nonce) if needs_token and key is not None else _NO_PROOF
-    writer.write(_ANSWER.pack(MAGIC, VERSION, answer))
+    if mode == MODE_FRAMES:
+        writer.write(_ANSWER.pack(MAGIC, VERSION, answer))
+    elif not flags & FLAG_MODES:
+        raise CodecError(f"data port {peer} takes only frames (a jaxdist worker older than "
+                         f"the {MODES.get(mode, mode)} mode of its data protocol)")
+    else:
+        writer.write(_ANSWER.pack(MAGIC, 2, answer) + bytes((mode,)))
     await writer.drain()
     refused = await read_status(reader, peer)
     if refused is not None:
