@@ -181,6 +181,15 @@ class TcpSender:
     def error(self) -> TransportError | None:
         return self._error
 
+    def wait_connected(self, timeout: float) -> bool:
+        """Wait until the connection is made (True) or failed, at most ``timeout`` seconds; a
+        failure is raised by the first :meth:`send_frame`."""
+        try:
+            self._opened.result(timeout)
+            return True
+        except Exception:  # noqa: BLE001 - kept for send_frame, which raises it
+            return False
+
     def send_frame(self, msgs: Sequence[bytes], timeout: float) -> None:
         """Queue the messages of one frame for the worker, in order with the frames before it.
 

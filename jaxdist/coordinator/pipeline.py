@@ -200,8 +200,11 @@ class Pipeline:
         first = self.clients[0].address
         on_error = functools.partial(self._sender_failed, first, epoch)
         if hops[first] and auth is not None:
-            self._sender: TcpSender | FrameSender = TcpSender(hops[first], first, auth,
-                                                              on_error=on_error)
+            sender = TcpSender(hops[first], first, auth, on_error=on_error)
+            # Connected before the pipeline is handed out, as the subscriptions are: a
+            # failure is the first submit's error.
+            sender.wait_connected(max(0.0, deadline - time.monotonic()))
+            self._sender: TcpSender | FrameSender = sender
         else:
             self._sender = self.clients[0].sender(on_error=on_error)
 
