@@ -26,6 +26,7 @@ from jaxdist.coordinator.cluster import Cluster
 from jaxdist.core.errors import CodecError, LimitError, PipelineKeyError
 from jaxdist.core.transport import frames, stream
 from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.dataconn import data_address
 from jaxdist.core.transport.frames import FrameHeader, split_frame
 from jaxdist.proto import jaxdist_pb2 as pb
 
@@ -243,3 +244,9 @@ def test_a_silent_events_subscriber_costs_only_itself(cluster: Cluster,
         assert f"the subscriber of pipeline {pipe.pipeline_id} is not reading" in str(said)
         assert len(got) < 64  # dropped: not every result was kept for it
         assert pipe.broken is None
+
+
+def test_data_address_keeps_the_host_a_worker_is_dialled_at() -> None:
+    assert data_address("10.0.0.5:50051", 7000) == "10.0.0.5:7000"
+    assert data_address("[::1]:50051", 7000) == "[::1]:7000"
+    assert data_address("worker-3.jaxdist.svc:50051", 50052) == "worker-3.jaxdist.svc:50052"

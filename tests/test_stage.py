@@ -447,6 +447,19 @@ def test_error_wrong_input_shape(mlp_stage0: WorkerStage) -> None:
         mlp_stage0.run({"x": np.zeros((32,), np.float32)})
 
 
+def test_input_checks_hold_after_a_shape_is_remembered(mlp_stage0: WorkerStage) -> None:
+    """The dims check of a shape runs once, then is remembered; a wrong shape or dtype is still
+    refused every time, before and after a good shape of the same rank."""
+    good = np.zeros((2, D), np.float32)
+    assert mlp_stage0.check_inputs({"x": good}) == ((2, D),)
+    for _ in range(2):
+        assert mlp_stage0.check_inputs({"x": good}) == ((2, D),)
+        with pytest.raises(SpecError, match=r"expected dims \(b, 32\), found \(2, 31\)"):
+            mlp_stage0.check_inputs({"x": np.zeros((2, 31), np.float32)})
+        with pytest.raises(SpecError, match=r"expected dtype float32, found float64"):
+            mlp_stage0.check_inputs({"x": good.astype(np.float64)})
+
+
 def test_error_wrong_input_dtype(mlp_stage0: WorkerStage) -> None:
     with pytest.raises(SpecError, match=r"stage 0: input 'x': expected dtype float32, "
                                         r"found float64"):

@@ -22,7 +22,7 @@ from models import identity
 from jaxdist.coordinator.cluster import Cluster
 from jaxdist.coordinator.pipeline import Pipeline
 from jaxdist.coordinator.spawn import spawn_workers, stop_workers
-from jaxdist.core.errors import LimitError
+from jaxdist.core.errors import LimitError, TransportError
 from jaxdist.core.transport import stream
 from jaxdist.core.transport.client import WorkerClient
 from jaxdist.core.transport.frames import FrameHeader, split_frame
@@ -275,3 +275,78 @@ def test_error_an_aggregate_bound_below_its_single_bound(flags: list[str], messa
                            *flags], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+# -- the data port's idle bound on one timer (stream.IdleWatch) ---------------------------------
+
+
+def _reader_with(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    return reader
+
+
+def test_idle_watch_passes_reads_in_time_and_times_out_a_stalled_one() -> None:
+    async def main() -> None:
+        watch = stream.IdleWatch(0.2)
+        reader = _reader_with(b"abcdef" * 100)
+        try:
+            for _ in range(100):  # each read in time, on the one timer
+                assert await watch.read(reader, 6) == b"abcdef"
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(TimeoutError, match=r"no data for 0\.2 s"):
+                await watch.read(reader, 1)  # nothing more arrives
+            assert loop.time() - started >= 0.2
+            reader.feed_data(b"z")  # the connection's task goes on after the timeout
+            assert await watch.read(reader, 1) == b"z"
+        finally:
+            watch.close()
+
+    asyncio.run(main())
+
+
+def test_idle_watch_lets_an_outside_cancel_through() -> None:
+    async def main() -> None:
+        started = asyncio.Event()
+
+        async def reading() -> None:
+            watch = stream.IdleWatch(30.0)
+            try:
+                started.set()
+                await watch.read(asyncio.StreamReader(), 4)
+            finally:
+                watch.close()
+
+        task = asyncio.get_running_loop().create_task(reading())
+        await started.wait()
+        await asyncio.sleep(0)  # let it reach the read
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+def test_read_message_with_a_watch_bounds_a_stalled_message() -> None:
+    async def main() -> None:
+        watch = stream.IdleWatch(0.1)
+        msg = b"x" * 64
+        try:
+            reader = _reader_with(len(msg).to_bytes(4, "little") + msg)
+            assert await stream.read_message(reader, 1 << 20, "test", watch=watch) == msg
+            reader.feed_data(len(msg).to_bytes(4, "little") + msg[:10])  # then nothing
+            with pytest.raises(TimeoutError):
+                await stream.read_message(reader, 1 << 20, "test", watch=watch)
+            reader.feed_eof()
+        finally:
+            watch.close()
+        closed = _reader_with(b"")
+        closed.feed_eof()
+        assert await stream.read_message(closed, 1 << 20, "test") is None  # closed between
+        torn = _reader_with(b"\x05\x00")
+        torn.feed_eof()
+        with pytest.raises(TransportError, match="inside a message's length"):
+            await stream.read_message(torn, 1 << 20, "test")
+
+    asyncio.run(main())

@@ -215,12 +215,13 @@ class DataListener:
             inflight.take(n, f"a message of {n} bytes on the data connection from {peer}")
             reserved[0] = n
 
+        watch = stream.IdleWatch(idle)
         try:
             with worker.streams.hold("data connection", peer):
                 while True:
                     try:
                         data = await stream.read_message(reader, self._max_message, self._limit,
-                                                         wait=ingress.idle_timeout, idle=idle,
+                                                         wait=ingress.idle_timeout, watch=watch,
                                                          reserve=reserve)
                     except TimeoutError:
                         if ingress.idle_timeout is not None and not reserved[0]:
@@ -246,6 +247,7 @@ class DataListener:
             self._refused(peer, type(exc).__name__, str(exc))
             await _goodbye(writer, exc)
         finally:
+            watch.close()
             inflight.give(reserved[0])
             ingress.close()
 

@@ -34,6 +34,7 @@ from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S, LEASE_S
 from jaxdist.core.errors import ArtifactError, JaxdistError, SpecError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.dataconn import data_address
 from jaxdist.core.transport.security import ClientAuth, client_auth
 from jaxdist.export.model import Model
 from jaxdist.export.stages import Progress, build_stage_specs, log_progress, plan_stages
@@ -516,7 +517,7 @@ class Cluster:
         when it has none: then over gRPC, a slower hop."""
         port = nxt.info().data_port
         if port:
-            return f"{nxt.address.rpartition(':')[0]}:{port}"
+            return data_address(nxt.address, port)
         log.warning("stage %d sends to stage %d over gRPC: worker %s has no data port (started "
                     "with --data-listen off, or a jaxdist without one); a gRPC hop costs more "
                     "per frame (docs/design.md, 'The data path')", stage, stage + 1, nxt.address)

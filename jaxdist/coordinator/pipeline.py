@@ -1,11 +1,11 @@
 """A deployed, running pipeline: stream inputs to its stages and collect their outputs.
 
-A :class:`Pipeline` is made by :meth:`jaxdist.coordinator.cluster.Cluster.deploy`. It only dials out. It
-streams frames to stage 0 over one long-lived connection and holds one subscription per worker
-of the pipeline: data connections to the workers' data ports, all on the process's one data
-loop (:mod:`jaxdist.coordinator.datapath`), or gRPC ``Push`` and ``Subscribe`` streams to a
-worker without a data port (:attr:`Pipeline.links` says which). Results come straight from the last stage on its subscription; an
-error in any stage comes from that stage's worker on its own subscription, with the stage index,
+A :class:`Pipeline` is made by :meth:`jaxdist.coordinator.cluster.Cluster.deploy`. It only
+dials out. It streams frames to stage 0 over one long-lived connection and holds one
+subscription per worker of the pipeline: data connections to the workers' data ports, all on
+the process's one data loop (:mod:`jaxdist.coordinator.datapath`), or gRPC ``Push`` and
+``Subscribe`` streams to a worker without a data port (:attr:`Pipeline.links` says which).
+Results come straight from the last stage on its subscription; an error in any stage comes from that stage's worker on its own subscription, with the stage index,
 the address and the remote traceback. Heartbeats on every subscription tell a frozen worker from a
 slow one, and a broken subscription names a dead worker within seconds. A :class:`Session` runs
 consecutive steps of one sequence whose state stays on the workers.
@@ -46,6 +46,7 @@ from jaxdist.core.errors import (
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport.channel import FrameSender
 from jaxdist.core.transport.client import WorkerClient
+from jaxdist.core.transport.dataconn import data_address
 from jaxdist.core.transport.frames import EventView, FrameAssembler, FrameHeader, split_frame
 from jaxdist.export.model import Model
 from jaxdist.proto import jaxdist_pb2 as pb
@@ -58,8 +59,8 @@ log = logging.getLogger(__name__)
 class Placement(Protocol):
     """What a pipeline needs of the cluster that placed it, to fail over to a spare worker.
 
-    :class:`jaxdist.coordinator.cluster.Cluster` implements it; the pipeline depends on this interface
-    only, so imports run one way (coordinator -> pipeline).
+    :class:`jaxdist.coordinator.cluster.Cluster` implements it; the pipeline depends on this
+    interface only, so imports run one way (coordinator -> pipeline).
     """
 
     spare_clients: list[WorkerClient]
@@ -214,12 +215,12 @@ class Pipeline:
         if self.cluster.data_auth is not None:
             try:
                 port = client.info().data_port
-            except JaxdistError as exc:  # its subscription will say what is wrong
-                log.debug("Info of %s: %s", client.address, exc)
-                return ""
-            if port:
-                return f"{client.address.rpartition(':')[0]}:{port}"
-            why = "it has no data port (--data-listen off, or a jaxdist without one)"
+            except JaxdistError as exc:  # its subscription then says what is wrong
+                why = f"its Info failed ({type(exc).__name__}: {str(exc)[:200]})"
+            else:
+                if port:
+                    return data_address(client.address, port)
+                why = "it has no data port (--data-listen off, or a jaxdist without one)"
         log.warning("pipeline %s reaches worker %s over gRPC, which costs more per frame than "
                     "its data port: %s", self.pipeline_id, client.address, why)
         return ""
@@ -354,8 +355,8 @@ class Pipeline:
 
         Every worker of the pipeline is probed with ``Info`` (deadline: the heartbeat timeout,
         at most 5 s). The stages of each worker that does not answer move to a spare worker
-        (:class:`~jaxdist.coordinator.cluster.Cluster` ``spares=``); the artifact is uploaded there when
-        the spare lacks it. The stages on the workers that answered are loaded again too: the
+        (:class:`~jaxdist.coordinator.cluster.Cluster` ``spares=``); the artifact is uploaded
+        there when the spare lacks it. The stages on the workers that answered are loaded again too: the
         next hop of the stage before a moved one changes, and their session state is lost with
         the rest of the pipeline's anyway. With a warm worker that is a bind and a
         compilation-cache hit per stage. When every worker answers (a dropped connection, not a

@@ -45,6 +45,8 @@ __all__ = ["WorkerStage"]
 
 log = logging.getLogger(__name__)
 
+MAX_CHECKED_SHAPES = 1024  # input shapes whose dims check is remembered (a bound on memory)
+
 
 def _dims_str(dims: Sequence[object]) -> str:
     return "(" + ", ".join(str(d) for d in dims) + ")"
@@ -134,6 +136,8 @@ class WorkerStage:
         self._input_dtypes = [codec.dtype_from_name(t.dtype) for t in spec.inputs]
         self._jitted = jax.jit(exported.call, donate_argnums=tuple(range(n_w, n_w + n_s)))
         self._compiled: dict[tuple[tuple[int, ...], ...], Any] = {}
+        # Input shapes whose dims were found to agree with the spec: checked once each
+        self._shapes_ok: set[tuple[tuple[int, ...], ...]] = set()
         self._lock = threading.Lock()
         self.compile_seconds = 0.0
         self.bind_seconds = 0.0
@@ -373,6 +377,9 @@ class WorkerStage:
                 raise SpecError(f"{where}: input {sig.name!r}: expected dims "
                                 f"{_dims_str(sig.dims)}, found {tuple(x.shape)}")
             shapes.append(tuple(x.shape))
+        key = tuple(shapes)
+        if key in self._shapes_ok:  # the dims below depend on the shapes alone
+            return key
         bound = _bind_symbols(where, self.spec.inputs, shapes)
         for sig, shape in zip(self.spec.inputs, shapes):
             if any(evaluate(d, bound) != n for d, n in zip(sig.dims, shape)):
@@ -380,7 +387,9 @@ class WorkerStage:
                     f" with {_bindings_str(bound)}"
                 raise SpecError(f"{where}: input {sig.name!r}: expected dims "
                                 f"{_dims_str(sig.dims)}{with_}, found {shape}")
-        return tuple(shapes)
+        if len(self._shapes_ok) < MAX_CHECKED_SHAPES:
+            self._shapes_ok.add(key)
+        return key
 
     def run(self, inputs: Mapping[str, Any], state: Mapping[str, jax.Array] | None = None, *,
             shapes: tuple[tuple[int, ...], ...] | None = None

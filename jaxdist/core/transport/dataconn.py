@@ -17,10 +17,21 @@ import ssl
 from jaxdist.core.errors import JaxdistError, TransportError
 from jaxdist.core.transport import stream
 
-__all__ = ["CONNECT_TIMEOUT_S", "WRITE_BUFFER_BYTES", "DataConnection", "open_connection"]
+__all__ = ["CONNECT_TIMEOUT_S", "WRITE_BUFFER_BYTES", "DataConnection", "data_address",
+           "open_connection"]
 
 CONNECT_TIMEOUT_S = 10.0  # connect, TLS and the handshake with the data port
 WRITE_BUFFER_BYTES = 4 << 20  # a write waits once this much is queued beyond the socket's own
+
+
+def data_address(address: str, data_port: int) -> str:
+    """The ``HOST:PORT`` of a worker's data port (``Info.data_port``), on the host its gRPC
+    ``address`` is dialled at (so ``[::1]:50051`` and port 7000 give ``[::1]:7000``).
+
+    >>> data_address("10.0.0.5:50051", 7000)
+    '10.0.0.5:7000'
+    """
+    return f"{address.rpartition(':')[0]}:{data_port}"
 
 
 class DataConnection:

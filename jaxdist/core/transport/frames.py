@@ -12,7 +12,7 @@ Errors: malformed bytes raise :class:`CodecError`; a frame over a limit of its
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,11 +55,13 @@ _RESULT = pb.Event.DESCRIPTOR.fields_by_name["result"].number
 SCAN_MIN_BYTES = 64 << 10
 
 
-def _heads(header: FrameHeader, n: int) -> Iterator[bytes]:
-    """The serialized header fields of each of the ``n`` messages of a frame."""
+def _heads(header: FrameHeader, n: int, *, keyed: bool = True) -> Iterator[bytes]:
+    """The serialized header fields of each of the ``n`` messages of a frame (without the
+    pipeline key unless ``keyed``)."""
     frame = pb.Frame(pipeline_id=header.pipeline_id, session_id=header.session_id,
                      step=header.step, stage=header.stage, request_id=header.request_id,
-                     reply_to=header.reply_to, kind=header.kind, pipeline_key=header.key)
+                     reply_to=header.reply_to, kind=header.kind,
+                     pipeline_key=header.key if keyed else b"")
     # The control header goes out as the bytes it came in (a field order of no consequence).
     control = (protowire.field_prefix(_CONTROL, len(header.control)) + header.control
                if header.control else b"")
@@ -90,8 +92,8 @@ def result_events(header: FrameHeader, tensors: Mapping[str, Any], *,
     tail = pb.Event(request_id=header.request_id, session_id=header.session_id
                     ).SerializeToString()
     groups = list(codec.group_chunks(tensors, chunk_bytes=chunk_bytes))
-    header = replace(header, key=b"")  # a result goes to the key's holder; it needs no key
-    for head, group in zip(_heads(header, len(groups)), groups):
+    # A result goes to the key's holder: it needs no key
+    for head, group in zip(_heads(header, len(groups), keyed=False), groups):
         pieces, size = codec.tensor_pieces(group, _TENSORS)
         yield b"".join([protowire.field_prefix(_RESULT, len(head) + size), head, *pieces, tail])
 

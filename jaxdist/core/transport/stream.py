@@ -55,8 +55,8 @@ from jaxdist.core.errors import AuthError, CodecError, JaxdistError, LimitError,
 from jaxdist.core.transport import status
 
 __all__ = ["CONTEXT", "FLAG_MODES", "FLAG_TOKEN", "MAGIC", "MODE_EVENTS", "MODE_FRAMES",
-           "VERSION", "Hello", "client_handshake", "proof", "read_message", "read_status",
-           "server_handshake", "write_goodbye", "write_message", "write_status"]
+           "VERSION", "Hello", "IdleWatch", "client_handshake", "proof", "read_message",
+           "read_status", "server_handshake", "write_goodbye", "write_message", "write_status"]
 
 MAGIC = b"JXDD"
 VERSION = 1
@@ -98,34 +98,94 @@ def write_message(writer: asyncio.StreamWriter, data: bytes) -> None:
 READ_STEP_BYTES = 1 << 20  # a long message is read in parts of this size, each timed
 
 
+class IdleWatch:
+    """The idle bound of one connection's reads, kept on one timer for the connection.
+
+    ``asyncio.timeout`` around each read arms and cancels a timer per message: measured, a
+    sixth of the data port's Python for a 4 KB frame (bench/NOTES.md). A watch keeps one
+    deadline that each read sets; its single timer fires at a deadline and re-arms itself to
+    the current one, so a connection busy with small messages makes a timer about once per
+    ``seconds``. When a read's deadline passes, the task reading is cancelled, and the read
+    raises ``TimeoutError``, as under ``asyncio.timeout``. Used on the loop, by one task.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("an IdleWatch is made inside the task that reads")
+        self._task = task
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._expired = False
+
+    async def read(self, reader: asyncio.StreamReader, n: int) -> bytes:
+        """``reader.readexactly(n)``, within :attr:`seconds`."""
+        self._deadline = deadline = self._loop.time() + self.seconds
+        if self._timer is None:
+            self._timer = self._loop.call_at(deadline, self._check)
+        try:
+            return await reader.readexactly(n)
+        except asyncio.CancelledError:
+            if self._expired:
+                self._expired = False
+                if self._task.uncancel() == 0:  # the watch alone cancelled it
+                    raise TimeoutError(f"no data for {self.seconds:g} s") from None
+            raise
+        finally:
+            self._deadline = None
+
+    def _check(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if deadline is None:  # between reads: the next read arms the timer again
+            return
+        if self._loop.time() >= deadline:
+            self._expired = True
+            self._task.cancel()
+        else:
+            self._timer = self._loop.call_at(deadline, self._check)
+
+    def close(self) -> None:
+        """Stop the timer (the connection ended)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str, *,
                        wait: float | None = None, idle: float | None = None,
-                       reserve: Callable[[int], None] | None = None) -> bytes | None:
+                       reserve: Callable[[int], None] | None = None,
+                       watch: IdleWatch | None = None) -> bytes | None:
     """The next message; ``None`` when the peer closed between messages.
 
     Args:
         max_bytes: the longest message accepted; a longer declared length is refused before a
             byte of it is read.
         limit: what sets ``max_bytes`` (a flag and its value), for the refusal's message.
-        wait: the longest wait for a message to begin; ``None``: no bound.
-        idle: once a message has begun, the longest wait for more of it (each part of
-            :data:`READ_STEP_BYTES`); ``None``: no bound.
+        wait: the longest wait for a message's length (its first 4 bytes); ``None``: no bound.
+        idle: once the length is read, the longest wait for more of the message (each part
+            of :data:`READ_STEP_BYTES`); ``None``: no bound.
         reserve: called with a message's length before its bytes are read (it may refuse them
             by raising).
+        watch: the connection's idle bound, in place of ``idle`` (one timer for all its
+            messages).
 
     Raises:
         LimitError: the declared length is over ``max_bytes``.
         TimeoutError: ``wait`` or ``idle`` passed.
         TransportError: the connection closed or failed inside a message.
     """
-    async with asyncio.timeout(wait):
-        first = await reader.read(1)
-    if not first:
-        return None  # closed between messages
     try:
-        async with asyncio.timeout(idle):
-            head = first + await reader.readexactly(_LEN.size - 1)
-    except asyncio.IncompleteReadError:
+        if wait is None:  # between frames: no timer to arm per message
+            head = await reader.readexactly(_LEN.size)
+        else:
+            async with asyncio.timeout(wait):
+                head = await reader.readexactly(_LEN.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None  # closed between messages
         raise TransportError("the data connection closed inside a message's length") from None
     (n,) = _LEN.unpack(head)
     if n > max_bytes:
@@ -136,12 +196,20 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str,
     got = 0
     try:
         if n <= READ_STEP_BYTES:
+            if watch is not None:
+                return await watch.read(reader, n)
+            if idle is None:
+                return await reader.readexactly(n)
             async with asyncio.timeout(idle):
                 return await reader.readexactly(n)
         parts = []
         while got < n:
-            async with asyncio.timeout(idle):
-                parts.append(await reader.readexactly(min(READ_STEP_BYTES, n - got)))
+            step = min(READ_STEP_BYTES, n - got)
+            if watch is not None:
+                parts.append(await watch.read(reader, step))
+            else:
+                async with asyncio.timeout(idle):
+                    parts.append(await reader.readexactly(step))
             got += len(parts[-1])
         return b"".join(parts)
     except asyncio.IncompleteReadError as exc:
