@@ -167,6 +167,26 @@ def test_error_an_unknown_mode_is_refused(cluster: Cluster) -> None:
         asyncio.run(_events(_data_address(cluster, 0), None, mode=7))
 
 
+def test_error_a_subscribe_request_that_stops_midway_is_closed(cluster: Cluster) -> None:
+    """The events mode's request declares 64 bytes and sends 2: the worker closes the
+    connection within its handshake bound (one timer, ``stream.IdleWatch``) and keeps serving."""
+    async def main() -> bytes:
+        host, _, port = _data_address(cluster, 0).rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            await stream.client_handshake(reader, writer, key=None, peer=host,
+                                          mode=stream.MODE_EVENTS)
+            writer.write((64).to_bytes(4, "little") + b"\x0a\x01")
+            await writer.drain()
+            async with asyncio.timeout(60):  # a bound on the test; the worker's is 5 s
+                return await reader.read()  # until the worker closes
+        finally:
+            writer.close()
+
+    assert asyncio.run(main()) == b""  # closed, and nothing sent
+    assert cluster.clients[0].info().address  # still serving
+
+
 def test_an_older_data_port_is_not_asked_for_events() -> None:
     """A data port whose hello has no FLAG_MODES (before the events mode): the client refuses
     to subscribe there, having sent nothing."""

@@ -160,11 +160,12 @@ class DataListener:
     async def _events(self, peer: str, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
         """A coordinator's subscription: its request, then its events until it hangs up."""
+        watch = stream.IdleWatch(HANDSHAKE_TIMEOUT_S)
         try:
             request = await stream.read_message(reader, MAX_SUBSCRIBE_BYTES,
                                                 f"{MAX_SUBSCRIBE_BYTES} bytes per "
                                                 f"SubscribeRequest", wait=HANDSHAKE_TIMEOUT_S,
-                                                idle=HANDSHAKE_TIMEOUT_S)
+                                                watch=watch)
             if request is None:
                 return
             opened = self._worker.open_subscription(request, "Subscribe", peer)
@@ -177,6 +178,8 @@ class DataListener:
             self._refused(peer, type(exc).__name__, str(exc))
             await _goodbye(writer, exc, events=True)
             return
+        finally:
+            watch.close()
         hangup = asyncio.get_running_loop().create_task(reader.read(1))
         writing = asyncio.get_running_loop().create_task(self._write_events(writer, opened))
         try:

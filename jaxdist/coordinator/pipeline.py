@@ -5,10 +5,11 @@ dials out. It streams frames to stage 0 over one long-lived connection and holds
 subscription per worker of the pipeline: data connections to the workers' data ports, all on
 the process's one data loop (:mod:`jaxdist.coordinator.datapath`), or gRPC ``Push`` and
 ``Subscribe`` streams to a worker without a data port (:attr:`Pipeline.links` says which).
-Results come straight from the last stage on its subscription; an error in any stage comes from that stage's worker on its own subscription, with the stage index,
-the address and the remote traceback. Heartbeats on every subscription tell a frozen worker from a
-slow one, and a broken subscription names a dead worker within seconds. A :class:`Session` runs
-consecutive steps of one sequence whose state stays on the workers.
+Results come straight from the last stage on its subscription; an error in any stage comes
+from that stage's worker on its own subscription, with the stage index, the address and the
+remote traceback. Heartbeats on every subscription tell a frozen worker from a slow one, and a
+broken subscription names a dead worker within seconds. A :class:`Session` runs consecutive
+steps of one sequence whose state stays on the workers.
 
 When a worker dies, :meth:`Pipeline.recover` moves its stages to one of the cluster's spare
 workers and reconnects; the session state is gone, and the caller rebuilds it on a new
@@ -356,9 +357,9 @@ class Pipeline:
         Every worker of the pipeline is probed with ``Info`` (deadline: the heartbeat timeout,
         at most 5 s). The stages of each worker that does not answer move to a spare worker
         (:class:`~jaxdist.coordinator.cluster.Cluster` ``spares=``); the artifact is uploaded
-        there when the spare lacks it. The stages on the workers that answered are loaded again too: the
-        next hop of the stage before a moved one changes, and their session state is lost with
-        the rest of the pipeline's anyway. With a warm worker that is a bind and a
+        there when the spare lacks it. The stages on the workers that answered are loaded again
+        too: the next hop of the stage before a moved one changes, and their session state is
+        lost with the rest of the pipeline's anyway. With a warm worker that is a bind and a
         compilation-cache hit per stage. When every worker answers (a dropped connection, not a
         dead worker), the stages are reloaded where they are.
 

@@ -43,6 +43,7 @@ Errors: a peer that breaks the protocol raises :class:`CodecError`; a length ove
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import secrets
@@ -155,9 +156,8 @@ class IdleWatch:
 
 
 async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str, *,
-                       wait: float | None = None, idle: float | None = None,
-                       reserve: Callable[[int], None] | None = None,
-                       watch: IdleWatch | None = None) -> bytes | None:
+                       wait: float | None = None, watch: IdleWatch | None = None,
+                       reserve: Callable[[int], None] | None = None) -> bytes | None:
     """The next message; ``None`` when the peer closed between messages.
 
     Args:
@@ -165,16 +165,14 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str,
             byte of it is read.
         limit: what sets ``max_bytes`` (a flag and its value), for the refusal's message.
         wait: the longest wait for a message's length (its first 4 bytes); ``None``: no bound.
-        idle: once the length is read, the longest wait for more of the message (each part
-            of :data:`READ_STEP_BYTES`); ``None``: no bound.
+        watch: once the length is read, the bound on each wait for more of the message (each
+            part of :data:`READ_STEP_BYTES`), the connection's one timer; ``None``: no bound.
         reserve: called with a message's length before its bytes are read (it may refuse them
             by raising).
-        watch: the connection's idle bound, in place of ``idle`` (one timer for all its
-            messages).
 
     Raises:
         LimitError: the declared length is over ``max_bytes``.
-        TimeoutError: ``wait`` or ``idle`` passed.
+        TimeoutError: ``wait`` or the ``watch`` passed.
         TransportError: the connection closed or failed inside a message.
     """
     try:
@@ -195,21 +193,12 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str,
         reserve(n)
     got = 0
     try:
+        read = reader.readexactly if watch is None else functools.partial(watch.read, reader)
         if n <= READ_STEP_BYTES:
-            if watch is not None:
-                return await watch.read(reader, n)
-            if idle is None:
-                return await reader.readexactly(n)
-            async with asyncio.timeout(idle):
-                return await reader.readexactly(n)
+            return await read(n)
         parts = []
         while got < n:
-            step = min(READ_STEP_BYTES, n - got)
-            if watch is not None:
-                parts.append(await watch.read(reader, step))
-            else:
-                async with asyncio.timeout(idle):
-                    parts.append(await reader.readexactly(step))
+            parts.append(await read(min(READ_STEP_BYTES, n - got)))
             got += len(parts[-1])
         return b"".join(parts)
     except asyncio.IncompleteReadError as exc:
