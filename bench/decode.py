@@ -25,7 +25,7 @@ Metrics (medians over the timed runs):
 
 * ``decode_tokens_per_s_{single,1w,2w,3w}``: batch 1, 64 new tokens; decode steps after the
   first token per second (``GenerationResult.tokens_per_s``). Baseline: single process.
-  Target of the 2-worker record: ``>= 0.9x`` single-process tokens/s. The detail adds
+  Target of the 2-worker record (issue #12): ``>= 0.95x`` single-process tokens/s. The detail adds
   ``median_step_ms``/``p90_step_ms`` (from per-token timestamps; the median step shrugs off
   bursts of load from other processes) and ``paired_ratio_median`` (each run against the
   single-process run of the same round, adjacent in time).
@@ -106,6 +106,7 @@ class Plan:
 
 FULL = Plan(new_tokens=64, runs=7, batch_runs=5)
 QUICK = Plan(new_tokens=32, runs=3, batch_runs=2)
+DECODE_TARGET = 0.95  # issue #12: 2-worker decode tokens/s over the single process
 
 
 @dataclass
@@ -416,7 +417,7 @@ def make_records(configs: Sequence[Config], rss: dict[str, list[dict[str, Any]]]
         else:
             ratio = tps / base_tps
             target, meets = ("", None) if cfg.name != "2w" else \
-                (">= 0.9x single-process tokens/s", ratio >= 0.9)
+                (f">= {DECODE_TARGET}x single-process tokens/s", ratio >= DECODE_TARGET)
             out.append(_record(f"decode_tokens_per_s_{cfg.name}", tps, "tokens/s",
                                "single process (InProcessPipeline, 1 stage)", base_tps, ratio,
                                target, meets, **detail,

@@ -57,7 +57,7 @@ from jaxdist.core.transport.client import WorkerClient
 from jaxdist.core.transport.frames import FrameHeader, split_frame
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
-from jaxdist.worker.servicer import WorkerConfig
+from jaxdist.worker.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -91,7 +91,7 @@ from jaxdist.core.weights import WeightCache
 from jaxdist.core.weights.gguf import GGUFFile
 from jaxdist.core.weights.safetensors import SafetensorsFile, read_index
 from jaxdist.proto import jaxdist_pb2 as pb
-from jaxdist.worker.servicer import WorkerConfig
+from jaxdist.worker.config import WorkerConfig
 
 WORKER = WorkerConfig()  # the worker's default limits (its CLI cannot change them)
 

@@ -257,7 +257,7 @@ def test_status_follows_the_life_cycle(tmp_path: pathlib.Path) -> None:
     """In one process, where each step is in the test's hands: NOT_SERVING until set_serving,
     NOT_SERVING for good from the start of drain."""
     from jaxdist.worker.server import create_server
-    from jaxdist.worker.servicer import WorkerConfig
+    from jaxdist.worker.config import WorkerConfig
 
     server, servicer, address = create_server(
         "127.0.0.1:0", WorkerConfig(artifact_cache=str(tmp_path), session_idle_timeout=0))

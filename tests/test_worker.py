@@ -320,7 +320,7 @@ def test_worker_cli_rejects_bad_listen_address():
                                     ":5000", "127.0.0.1:123456"])
 def test_create_server_rejects_bad_listen_before_binding(listen):
     from jaxdist.worker.server import create_server
-    from jaxdist.worker.servicer import WorkerConfig
+    from jaxdist.worker.config import WorkerConfig
 
     with pytest.raises(TransportError, match="--listen expects HOST:PORT"):
         create_server(listen, WorkerConfig())

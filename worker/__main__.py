@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxdist.core.transport import security
     from jaxdist.core.transport.trust import PeerTrust
     from jaxdist.worker.server import create_server, raise_fd_limit
-    from jaxdist.worker.servicer import WorkerConfig
+    from jaxdist.worker.config import WorkerConfig
 
     for flag, value, least in (("--max-sessions", opts.max_sessions, 1),
                                ("--max-tensors-per-frame", opts.max_tensors_per_frame, 1),

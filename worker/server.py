@@ -30,7 +30,8 @@ from jaxdist.core.transport import wire
 from jaxdist.core.transport.channel import SERVER_OPTIONS
 from jaxdist.core.transport.security import ServerAuth
 from jaxdist.worker.data_listener import DataListener
-from jaxdist.worker.servicer import WorkerConfig, WorkerServicer
+from jaxdist.worker.config import WorkerConfig
+from jaxdist.worker.servicer import WorkerServicer
 
 __all__ = ["WorkerServer", "create_server"]
 

@@ -20,8 +20,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -30,7 +29,7 @@ import jaxlib
 import psutil
 
 import jaxdist
-from jaxdist.core import artifacts, codec, devices, heap, kernels
+from jaxdist.core import artifacts, devices, heap, kernels
 from jaxdist.core.errors import (
     ArtifactError,
     JaxdistError,
@@ -46,16 +45,15 @@ from jaxdist.core.stage import WorkerStage
 from jaxdist.core.store import LocalStore
 from jaxdist.core.transport import status, wire
 from jaxdist.core.transport.frames import FrameView
-from jaxdist.core.transport.security import ClientAuth
-from jaxdist.core.transport.trust import PeerTrust, check_hop
+from jaxdist.core.transport.trust import check_hop
 from jaxdist.core.weights import WeightCache
 from jaxdist.core.weights.uri import clip
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
+from jaxdist.worker.config import WorkerConfig
 from jaxdist.worker.health import WorkerHealth
 from jaxdist.worker.ingress import FrameIngress
 from jaxdist.worker.limits import (
-    MAX_ID_BYTES,
     InflightBytes,
     PeerStreams,
     check_ids,
@@ -72,7 +70,7 @@ from jaxdist.worker.runtime import (
 )
 from jaxdist.worker.tcp_route import TcpRoute
 
-__all__ = ["WorkerConfig", "WorkerServicer"]
+__all__ = ["WorkerServicer"]
 
 log = logging.getLogger(__name__)
 
@@ -81,43 +79,6 @@ T = TypeVar("T")
 HEARTBEAT_S = 0.5
 # LoadStage calls that load at once; more wait for a thread (each compiles and binds a stage).
 LOAD_THREADS = 8
-
-
-@dataclass
-class WorkerConfig:
-    """Everything a worker is told at start-up."""
-
-    weights_roots: Sequence[str] = ()                 # weight URIs resolve only under these
-    artifact_cache: str = ""                          # on-disk artifact store (survives restarts)
-    device: str = "auto"                              # which devices this worker offers
-    # Limits (SECURITY.md, "Limits and their defaults"); exceeding one is RESOURCE_EXHAUSTED.
-    max_sessions: int = 64                            # sessions held at once; more are refused
-    session_idle_timeout: float = 600.0               # s without a step, then reclaimed; 0: never
-    max_kv_bytes: int | None = None                   # session state bytes held at once, all
-    #                                                   stages; None: limits.default_max_kv_bytes
-    #                                                   (half the device's memory); 0: no limit
-    allowed_custom_calls: Collection[str] = artifacts.DEFAULT_CUSTOM_CALL_ALLOWLIST
-    max_artifact_bytes: int = 256 << 20               # largest artifact (uploaded or inline)
-    max_upload_bytes: int = 512 << 20                 # bytes of all unfinished uploads at once
-    upload_idle_timeout: float = 30.0                 # s an upload may send nothing, then ends
-    max_frame_bytes: int = 1 << 30                    # tensor bytes in one frame, all tensors
-    max_inflight_bytes: int = 2 << 30                 # bytes of frames being received, all streams
-    frame_idle_timeout: float = 30.0                  # s a begun frame may wait for its next part
-    max_streams_per_peer: int = 256                   # Push, Subscribe, data conns per peer host
-    max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
-    max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
-    max_id_bytes: int = MAX_ID_BYTES                  # longest id or model name kept
-    max_compiled_shapes: int = 64                     # input shapes compiled per stage
-    max_subscriber_events: int = 1024                 # events waiting for one subscription and
-    max_subscriber_bytes: int = 256 << 20             # their bytes; past either, it is dropped
-    devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
-    # Token and TLS this worker presents when it dials its next hops (security.client_auth)
-    peer_auth: ClientAuth = field(default_factory=ClientAuth)
-    # The next hops it may send to beyond loopback and its cluster's CA (--peer-allow), and
-    # whether its token may go to them in plaintext (--insecure-token): transport/trust.py
-    peer_trust: PeerTrust = field(default_factory=PeerTrust)
-    kernels: bool = True                              # register the CPU kernels (cpu workers)
-    kernel_threads: int = 0                           # threads per kernel call; 0: XLA's pool
 
 
 async def _next_within(messages: AsyncIterator[T], timeout: float | None) -> T | None:
