@@ -5,7 +5,8 @@ Parity: the same pipeline gives bit-identical outputs with the coordinator's fra
 over the data ports and over gRPC, equal to a single-process ``jax.jit`` of the same function.
 Threads: over the data ports a coordinator runs one data-loop thread whatever its number of
 workers, and no listener thread per worker (gRPC: one per worker). A worker without a data port
-is reached over gRPC, logged, and ``Pipeline.links`` says so. Refusals on the events mode: a
+is reached over gRPC, logged, and ``Pipeline.links`` says so, as is one whose ``Info``
+fails when the pipeline connects (injected). Refusals on the events mode: a
 wrong pipeline key, a malformed request, an unknown mode, and a silent subscriber (dropped with
 the bound, which it reads at the end); the worker goes on serving. An older data port (no
 modes) is never sent an answer it cannot read.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -23,7 +25,7 @@ import pytest
 from models import mlp, mlp_jit, mlp_reference
 
 from jaxdist.coordinator.cluster import Cluster
-from jaxdist.core.errors import CodecError, LimitError, PipelineKeyError
+from jaxdist.core.errors import CodecError, LimitError, PipelineKeyError, TransportError
 from jaxdist.core.transport import frames, stream
 from jaxdist.core.transport.client import WorkerClient
 from jaxdist.core.transport.dataconn import data_address
@@ -95,15 +97,49 @@ def test_a_worker_without_a_data_port_is_reached_over_grpc_and_logged(
     with Cluster.local(1, weights_roots=[str(mlp_root)],
                        extra_args=["--data-listen", "off"]) as off:
         workers = [cluster.addresses[0], off.addresses[0]]
-        with Cluster.connect(workers) as mixed, caplog.at_level("WARNING"), \
-                mixed.deploy(mlp(), stages=2, platforms=("cpu",)) as pipe:
-            assert pipe.links == {workers[0]: "tcp", workers[1]: "grpc"}
-            x = _x()
-            np.testing.assert_allclose(pipe.call({"x": x}, timeout=60)["x"],
-                                       mlp_reference(mlp_root, x), rtol=1e-5, atol=1e-6)
+        with Cluster.connect(workers) as mixed, caplog.at_level("WARNING"):
+            _deploy_second_over_grpc(mixed, mlp_root)
+    _assert_logged(caplog, f"reaches worker {workers[1]} over gRPC", "no data port")
+
+
+def _deploy_second_over_grpc(cluster: Cluster, root: pathlib.Path) -> None:
+    """Deploy 2 stages on the cluster's 2 workers; the second must be reached over gRPC and
+    the pipeline must still answer as the reference does."""
+    with cluster.deploy(mlp(), stages=2, platforms=("cpu",)) as pipe:
+        assert pipe.links == {cluster.addresses[0]: "tcp", cluster.addresses[1]: "grpc"}
+        x = _x()
+        np.testing.assert_allclose(pipe.call({"x": x}, timeout=60)["x"],
+                                   mlp_reference(root, x), rtol=1e-5, atol=1e-6)
+
+
+def _assert_logged(caplog: pytest.LogCaptureFixture, *parts: str) -> None:
+    """Some record's message holds every one of ``parts``."""
     logged = [r.getMessage() for r in caplog.records]
-    assert any(f"reaches worker {workers[1]} over gRPC" in m and "no data port" in m
-               for m in logged), logged
+    assert any(all(p in m for p in parts) for m in logged), (parts, logged)
+
+
+def test_a_worker_whose_info_fails_at_connect_is_reached_over_grpc_and_logged(
+        cluster: Cluster, mlp_root: pathlib.Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failure is injected (a real worker's Info fails only in passing, between the plan and
+    the pipeline's connect): ``Info`` fails only when the pipeline asks for the data port, not
+    when the deploy plans the hops between workers."""
+    workers = cluster.addresses[:2]
+    with Cluster.connect(workers) as c:
+        flaky = c.clients[1]
+        real_info = flaky.info
+
+        def info(*args: object, **kwargs: object) -> pb.InfoReply:
+            caller = sys._getframe(1).f_code
+            if caller.co_name == "_data_hop" and caller.co_filename.endswith("pipeline.py"):
+                raise TransportError(f"worker {flaky.address}: Info: UNAVAILABLE (injected)")
+            return real_info(*args, **kwargs)
+
+        monkeypatch.setattr(flaky, "info", info)
+        with caplog.at_level("WARNING"):
+            _deploy_second_over_grpc(c, mlp_root)
+    _assert_logged(caplog, f"reaches worker {workers[1]} over gRPC",
+                   "its Info failed (TransportError:", "injected")
 
 
 # ---------------------------------------------------------------------------------------------
