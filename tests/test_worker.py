@@ -25,7 +25,7 @@ from jaxdist.core.errors import (
     TransportError,
     WeightError,
 )
-from jaxdist.core.spec import StageSpec, TensorSig
+from jaxdist.core.spec import SPEC_VERSION, StageSpec, TensorSig
 from jaxdist.core.transport.client import WorkerClient
 from jaxdist.export.model import Model, Param, Unit
 
@@ -227,7 +227,7 @@ def test_describe_weights_and_info(cluster3):
     assert info.address == client.address
     assert info.default_device == "cpu:0"
     assert info.devices[0].platform == "cpu"
-    assert info.versions.jax and info.versions.spec == "1.0"
+    assert info.versions.jax and info.versions.spec == SPEC_VERSION
     assert info.rss_bytes > 0 and info.max_sessions == 8
 
 

@@ -46,7 +46,12 @@ __all__ = [
 #     required field, a changed calling convention. Workers refuse unknown MAJOR versions.
 # Changelog:
 #   1.0 (2026-11-30): first version.
-SPEC_VERSION = "1.0"  # what this jaxdist writes into StageSpec.spec_version
+#   1.1 (2026-12-01): ``control`` (field 18), inputs read from each frame's step-control header.
+#     A 1.0 worker ignores it and refuses such a stage's frames by name (the inputs are missing
+#     from the frame's tensors); it never computes something else.
+#   1.2 (2026-12-02): ``next_data_hop`` (field 19), the next worker's data port. A 1.0 or 1.1
+#     worker ignores it and sends over gRPC to ``next_hop``: the same frames, a slower hop.
+SPEC_VERSION = "1.2"  # what this jaxdist writes into StageSpec.spec_version
 SUPPORTED_SPEC_MAJORS = (1,)
 
 # Matched with fullmatch: "$" would also accept a trailing newline.
