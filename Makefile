@@ -36,7 +36,7 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q
 
 typecheck: $(VENV)/.test
-	$(PY) -m mypy
+	$(PY) scripts/typecheck.py
 
 bench: $(VENV)/.test
 	$(PIP) -e '.[bench]'

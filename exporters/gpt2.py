@@ -247,7 +247,7 @@ def _load_source(path: str, roots: Roots, dtype: str, headers: Headers | None = 
     if src.scheme == "gguf":
         cfg = _gguf_config(src.metadata, src.infos, path)
     else:
-        cfg = GPT2Config.from_hf(src.directory)
+        cfg = GPT2Config.from_hf(src.hf_directory)
     return cfg, _Weights(src, dtype), "gguf" if src.scheme == "gguf" else "hf"
 
 

@@ -301,7 +301,7 @@ def _load_source(path: str, roots: Roots, dtype: str, quantized: bool,
     if src.scheme == "gguf":
         cfg = _gguf_config(src.metadata, src.infos, path)
     else:
-        cfg = LlamaConfig.from_hf(src.directory)
+        cfg = LlamaConfig.from_hf(src.hf_directory)
     kind = "gguf" if src.scheme == "gguf" else "hf"
     table = WeightTable(src, _NAMES[src.scheme], dtype, family="llama-family",
                         quantized=quantized)

@@ -51,6 +51,18 @@ class Source:
         return self._parts.get(tensor, self.path)
 
     @property
+    def hf_directory(self) -> Path:
+        """:attr:`directory`, for a source that is an HF checkpoint.
+
+        Raises:
+            SpecError: the source is a GGUF file (it has no checkpoint directory).
+        """
+        if self.directory is None:
+            raise SpecError(f"'{self.path}' is a {self.scheme} file, not a Hugging Face "
+                            f"checkpoint directory with config.json")
+        return self.directory
+
+    @property
     def infos(self) -> Mapping[str, WeightInfo]:
         if self._infos is None:
             with WeightCache(self.roots) as cache:

@@ -16,6 +16,7 @@ import types
 
 import numpy as np
 import pytest
+from faults import frozen
 from models import mlp, mlp_reference, save_tiny_llama
 
 from jaxdist.coordinator.cluster import Cluster
@@ -165,16 +166,13 @@ def test_frozen_worker_fails_over_to_a_spare(mlp_root):
         with cluster.deploy(mlp(), stages=2) as pipe:
             want = mlp_reference(mlp_root, _x())
             pipe.call(x=_x())
-            victim.process.send_signal(signal.SIGSTOP)
-            try:
+            with frozen(victim.process):
                 with pytest.raises(RemoteStageError, match="no heartbeat") as err:
                     pipe.submit({"x": _x()}).result(timeout=30)
                 assert err.value.address == victim.address
                 (moved,) = pipe.recover()
                 assert moved.failed == victim.address and moved.stages == (0,)
                 np.testing.assert_allclose(pipe.call(x=_x())["x"], want, rtol=1e-5, atol=1e-5)
-            finally:
-                victim.process.send_signal(signal.SIGCONT)
 
 
 @pytest.mark.parametrize("victim_index,depth", [(1, 2), (0, 1)])

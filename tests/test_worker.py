@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from faults import frozen
 from models import D, accumulator, identity, mlp, mlp_reference
 
 from jaxdist.coordinator.cluster import Cluster
@@ -290,14 +291,11 @@ def test_frozen_worker_gives_a_deadline_error(mlp_root):
         victim = cluster.local_workers[0]
         with cluster.deploy(mlp(), stages=2) as pipe:
             pipe.call(x=_x())
-            victim.process.send_signal(signal.SIGSTOP)
-            try:
+            with frozen(victim.process):
                 fut = pipe.submit({"x": _x()})
                 with pytest.raises(RemoteStageError, match="no heartbeat") as err:
                     fut.result(timeout=30)
                 assert err.value.address == victim.address
-            finally:
-                victim.process.send_signal(signal.SIGCONT)
 
 
 def test_sigterm_exits_zero():

@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.metrics_listen is not None:
             from jaxdist.worker.metrics import serve_metrics
 
-            metrics = serve_metrics(*opts.metrics_listen, servicer)
+            metrics_host, metrics_port = opts.metrics_listen
+            metrics = serve_metrics(metrics_host, metrics_port, servicer)
             ports.append(f"jaxdist-worker metrics on http://{metrics.address}/metrics")
     except JaxdistError as exc:
         print(f"jaxdist-worker: {exc}", file=sys.stderr)
