@@ -256,8 +256,8 @@ def test_not_serving_at_the_start_of_a_sigterm_drain(pki: types.SimpleNamespace)
 def test_status_follows_the_life_cycle(tmp_path: pathlib.Path) -> None:
     """In one process, where each step is in the test's hands: NOT_SERVING until set_serving,
     NOT_SERVING for good from the start of drain."""
-    from jaxdist.worker.server import create_server
     from jaxdist.worker.config import WorkerConfig
+    from jaxdist.worker.server import create_server
 
     server, servicer, address = create_server(
         "127.0.0.1:0", WorkerConfig(artifact_cache=str(tmp_path), session_idle_timeout=0))

@@ -317,8 +317,8 @@ def test_worker_cli_rejects_bad_listen_address():
 @pytest.mark.parametrize("listen", ["127.0.0.1:\u00b2", "127.0.0.1:\u0665\u0660", "127.0.0.1:",
                                     ":5000", "127.0.0.1:123456"])
 def test_create_server_rejects_bad_listen_before_binding(listen):
-    from jaxdist.worker.server import create_server
     from jaxdist.worker.config import WorkerConfig
+    from jaxdist.worker.server import create_server
 
     with pytest.raises(TransportError, match="--listen expects HOST:PORT"):
         create_server(listen, WorkerConfig())
