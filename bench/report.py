@@ -110,6 +110,13 @@ def limit_rows(m: dict[str, dict[str, Any]]) -> list[str]:
             out.append(row("round trip through 1 hop, 4 KB (jaxdist: 1-stage `pipe.call`)",
                            qty(j, "ms"), f"{qty(t, 'ms')} (raw TCP loopback, 1 relay)",
                            num(j / t) if j and t else "", "", ""))
+        floor = hop.get("jax_relay_per_hop_ms")
+        if floor:
+            out.append(row("one more hop, 4 KB (jaxdist: slope over 1-3 stages)",
+                           qty(hop.get("value"), "ms"),
+                           f"{qty(floor, 'ms')} (relays that decode, run the jitted identity "
+                           f"and encode: the floor of a jax hop)",
+                           num(hop["value"] / floor) if hop.get("value") else "", "", ""))
     bws = [r for k, r in m.items() if k.startswith("bandwidth_") and r.get("tcp_wire_gbps")]
     if bws:
         best_wire = max(bws, key=lambda r: r["tcp_wire_gbps"])

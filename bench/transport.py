@@ -13,7 +13,11 @@ Two measurements, each against a raw-TCP baseline with the same topology, in the
    relay 1, each relay forwards it whole to the next, and the last relay answers on a connection
    the client dialled (as the coordinator's ``Subscribe`` stream to the last stage). Relays
    forward bytes without decoding them: the baseline is the transport floor, codec work happens
-   at the client ends only, inside the timed region, as in ``pipe.call``.
+   at the client ends only, inside the timed region, as in ``pipe.call``. Beside it, a chain of
+   *jax relays* with the same topology: each decodes the tensor, runs the compiled identity step
+   (``jax.jit``, the same ``x + 0``), copies the result to the host and encodes it; its slope
+   (``jax_relay_per_hop_ms`` in the record) is the floor of a hop that computes with jax in a
+   Python process, with no frame header, no checks and no event loop.
 2. **Bandwidth.** A 1-stage pipeline (coordinator -> worker -> coordinator) against a 1-relay
    chain, for float32 tensors of 4 KiB to 64 MiB; throughput is ``2 * bytes / median RTT``
    (bytes moved both ways). Each returned tensor is compared with the one sent, which covers
@@ -82,8 +86,29 @@ def _connect(address: str) -> socket.socket:
     return _nodelay(socket.create_connection((host, int(port))))
 
 
-def _relay_main(next_hop: str | None) -> int:
-    """Forward length-prefixed messages from upstream to ``next_hop`` (or to the subscriber)."""
+def _jax_step() -> Callable[[memoryview], bytes]:
+    """What a ``--jax`` relay does to each message: decode the tensor (``codec.from_bytes``),
+    run the compiled identity step of the benchmark's model on it, copy the result to the host
+    and encode it (``codec.to_bytes``). The least a process that computes with jax does per
+    hop: no frame header, no checks, no event loop."""
+    import jax
+    import numpy as np
+
+    from jaxdist.core import codec
+
+    step = jax.jit(lambda x: x + 0).lower(jax.ShapeDtypeStruct((1, 1024), np.float32)).compile()
+
+    def run(message: memoryview) -> bytes:
+        name, x = codec.from_bytes(bytes(message))
+        return codec.to_bytes(name, np.asarray(step(x)))
+
+    return run
+
+
+def _relay_main(next_hop: str | None, jax_step: bool = False) -> int:
+    """Forward length-prefixed messages from upstream to ``next_hop`` (or to the subscriber);
+    with ``jax_step``, each through :func:`_jax_step` on the way."""
+    step = _jax_step() if jax_step else None
     server = socket.create_server(("127.0.0.1", 0))
     print(f"{_RELAY_READY}127.0.0.1:{server.getsockname()[1]}", flush=True)
     down = None
@@ -112,14 +137,21 @@ def _relay_main(next_hop: str | None) -> int:
             buf[:_LEN.size] = head
         view = memoryview(buf)
         _recv_into(up, view[_LEN.size:_LEN.size + n])
+        if step is not None:
+            out = step(view[_LEN.size:_LEN.size + n])
+            down.sendall(_LEN.pack(len(out)) + out)
+            continue
         # Store and forward, as a worker needs the whole tensor before it computes.
         down.sendall(view[:_LEN.size + n])
 
 
 class RawChain:
-    """``hops`` relay processes on loopback: client -> relay 1 -> ... -> relay n -> client."""
+    """``hops`` relay processes on loopback: client -> relay 1 -> ... -> relay n -> client.
 
-    def __init__(self, hops: int) -> None:
+    With ``jax_step``, each relay runs the identity step on every message (:func:`_jax_step`).
+    """
+
+    def __init__(self, hops: int, *, jax_step: bool = False) -> None:
         self.procs: list[subprocess.Popen[str]] = []
         try:
             address = last = ""
@@ -127,6 +159,8 @@ class RawChain:
                 cmd = [sys.executable, os.path.abspath(__file__), "_relay"]
                 if address:
                     cmd += ["--next", address]
+                if jax_step:
+                    cmd.append("--jax")
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                         stdin=subprocess.DEVNULL)
                 self.procs.append(proc)
@@ -250,11 +284,13 @@ HOP_TARGET_MS = 0.15  # issue #12: one more worker hop of a 4 KB frame
 HOP_METRICS = {"tcp": "per_hop_latency_4KB", "grpc": "per_hop_latency_4KB_grpc"}
 
 
-def measure_hops(pipes: dict[str, dict[int, Any]], chains: dict[int, RawChain], *, warmup: int,
-                 rounds: int, block: int, machine: dict[str, Any]) -> list[dict[str, Any]]:
+def measure_hops(pipes: dict[str, dict[int, Any]], chains: dict[int, RawChain],
+                 jax_chains: dict[int, RawChain], *, warmup: int, rounds: int, block: int,
+                 machine: dict[str, Any]) -> list[dict[str, Any]]:
     """Per-hop latency: slope of the median 4 KB RTT over 1, 2, 3 stages, for each route in
-    ``pipes`` (``{"tcp": {1: pipe, 2: pipe, 3: pipe}, "grpc": ...}``) and for the raw relay
-    chain, interleaved in blocks. One record per route, each with the same baseline."""
+    ``pipes`` (``{"tcp": {1: pipe, 2: pipe, 3: pipe}, "grpc": ...}``), for the raw relay
+    chain and for the chain of jax relays, interleaved in blocks. One record per route, each
+    with the same baseline (raw TCP) and the jax relays' slope beside it."""
     import numpy as np
 
     x = np.random.default_rng(0).standard_normal((1, 1024)).astype(np.float32)
@@ -265,6 +301,7 @@ def measure_hops(pipes: dict[str, dict[int, Any]], chains: dict[int, RawChain], 
         for route, by_stages in pipes.items():
             systems[(route, k)] = lambda p=by_stages[k]: p.call({"x": x})["x"]
         systems[("raw", k)] = lambda c=chains[k]: c.call(x)
+        systems[("jax", k)] = lambda c=jax_chains[k]: c.call(x)
     for key, fn in systems.items():
         out = _timed(fn, warmup, [])
         if not np.array_equal(out, x):
@@ -275,6 +312,7 @@ def measure_hops(pipes: dict[str, dict[int, Any]], chains: dict[int, RawChain], 
             _timed(fn, block, samples[key])
     med = {key: _median(v) * 1e3 for key, v in samples.items()}
     t_slope, t_icpt = _slope(stages, [med[("raw", k)] for k in stages])
+    x_slope, _ = _slope(stages, [med[("jax", k)] for k in stages])
     records = []
     for route in pipes:
         j_slope, j_icpt = _slope(stages, [med[(route, k)] for k in stages])
@@ -287,6 +325,11 @@ def measure_hops(pipes: dict[str, dict[int, Any]], chains: dict[int, RawChain], 
             "tcp_p90_rtt_ms": {k: round(_quantile(samples[("raw", k)], 0.9) * 1e3, 4)
                                for k in stages},
             "jaxdist_intercept_ms": round(j_icpt, 4), "tcp_intercept_ms": round(t_icpt, 4),
+            # The floor of a hop that computes with jax: relays that decode, run the compiled
+            # identity and encode (no frame header, checks or event loop)
+            "jax_relay_per_hop_ms": round(x_slope, 4),
+            "jax_relay_median_rtt_ms": {k: round(med[("jax", k)], 4) for k in stages},
+            "ratio_vs_jax_relay": round(j_slope / x_slope, 4) if x_slope > 0 else None,
         }
         records.append(_record(HOP_METRICS[route], j_slope, "ms", t_slope,
                                j_slope / t_slope if t_slope > 0 else float("inf"),
@@ -377,10 +420,11 @@ def run(quick: bool, routes: Sequence[str] = ("tcp", "grpc")) -> list[dict[str, 
 
     machine = _common.machine()
     records: list[dict[str, Any]] = []
-    chains = {}
+    chains, jax_chains = {}, {}
     try:
         for k in (1, 2, 3):
             chains[k] = RawChain(k)
+            jax_chains[k] = RawChain(k, jax_step=True)
         with ExitStack() as stack:
             pipes = {}
             for route in routes:
@@ -388,11 +432,13 @@ def run(quick: bool, routes: Sequence[str] = ("tcp", "grpc")) -> list[dict[str, 
                     3, extra_args=ROUTE_WORKER_ARGS[route]))
                 pipes[route] = _deploy_hops(cluster, route)
             if quick:
-                hops = measure_hops(pipes, chains, warmup=50, rounds=10, block=30,
+                hops = measure_hops(pipes, chains, jax_chains, warmup=50, rounds=10, block=30,
                                     machine=machine)
             else:
-                hops = measure_hops(pipes, chains, warmup=200, rounds=30, block=100,
-                                    machine=machine)
+                hops = measure_hops(pipes, chains, jax_chains, warmup=200, rounds=30,
+                                    block=100, machine=machine)
+            for chain in jax_chains.values():
+                chain.close()
             for hop in hops:
                 _emit(hop, records)
             # Bandwidth needs only a 1-stage pipeline (no hop between workers, so no route);
@@ -414,7 +460,7 @@ def run(quick: bool, routes: Sequence[str] = ("tcp", "grpc")) -> list[dict[str, 
             for r in bw:
                 _emit(r, records)
     finally:
-        for chain in chains.values():
+        for chain in [*chains.values(), *jax_chains.values()]:
             chain.close()
     return records
 
@@ -450,5 +496,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_relay":
         relay = argparse.ArgumentParser(prog="transport.py _relay")
         relay.add_argument("--next", default=None)
-        sys.exit(_relay_main(relay.parse_args(sys.argv[2:]).next))
+        relay.add_argument("--jax", action="store_true")
+        relay_args = relay.parse_args(sys.argv[2:])
+        sys.exit(_relay_main(relay_args.next, relay_args.jax))
     sys.exit(main())
