@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import threading
@@ -35,7 +34,6 @@ from jaxdist.core.errors import (
     JaxdistError,
     LimitError,
     PipelineKeyError,
-    SpecError,
     TransportError,
 )
 from jaxdist.core.runtime import StageRuntime, remote_error
@@ -60,6 +58,7 @@ from jaxdist.worker.limits import (
     default_max_kv_bytes,
 )
 from jaxdist.worker.loads import CallerLeft, Load, Loads
+from jaxdist.worker.pipelines import LoadedPipelines
 from jaxdist.worker.runtime import (
     HEARTBEAT,
     GrpcRoute,
@@ -69,6 +68,7 @@ from jaxdist.worker.runtime import (
     Subscription,
 )
 from jaxdist.worker.tcp_route import TcpRoute
+from jaxdist.worker.uploads import ArtifactUploads, next_within
 
 __all__ = ["WorkerServicer"]
 
@@ -79,16 +79,6 @@ T = TypeVar("T")
 HEARTBEAT_S = 0.5
 # LoadStage calls that load at once; more wait for a thread (each compiles and binds a stage).
 LOAD_THREADS = 8
-
-
-async def _next_within(messages: AsyncIterator[T], timeout: float | None) -> T | None:
-    """A stream's next message, or ``None`` at its end.
-
-    Raises:
-        TimeoutError: none came within ``timeout`` seconds (``None``: no bound).
-    """
-    async with asyncio.timeout(timeout):
-        return await anext(messages, None)
 
 
 def _route_kind(runtime: StageRuntime) -> str:
@@ -104,14 +94,6 @@ def _failure(exc: BaseException, context: grpc.ServicerContext | grpc.aio.Servic
         log.exception("%s failed", method)
     context.set_trailing_metadata((("jaxdist-error-type", type(exc).__name__),))
     return status.code_for(exc)
-
-
-MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 64
-"""The size of a pipeline key (``LoadStageRequest.pipeline_key``); coordinators send 32."""
-
-LEASE_PERIOD_S = 1.0
-"""How often leases are checked."""
-MAX_LEASE_S = 86400.0
 
 
 def _rpc(method: Callable[..., T]) -> Callable[..., T]:
@@ -164,16 +146,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if config.session_idle_timeout > 0:
             threading.Thread(target=self._reap_idle_sessions, name="session-reaper",
                              daemon=True).start()
-        self._stages: dict[tuple[str, int], StageRuntime] = {}
-        self._lock = threading.Lock()
-        # pipeline -> [lease seconds, when it was last seen subscribed]; see _watch_leases
-        self._leases: dict[str, list[float]] = {}
-        # pipeline -> its key (LoadStageRequest.pipeline_key), while a stage of it is loaded
-        self._keys: dict[str, bytes] = {}
-        self._uploading = 0  # bytes held by unfinished uploads (on the loop only)
+        # The loaded stages, their pipelines' keys and leases
+        self.pipelines = LoadedPipelines(address, self.hub.subscribed)
+        self.uploads = ArtifactUploads(config, self.registry)
         self.inflight = InflightBytes(config.max_inflight_bytes)  # frames being received
         self.streams = PeerStreams(config.max_streams_per_peer)  # Push, Subscribe, data conns
-        threading.Thread(target=self._watch_leases, name="lease-watch", daemon=True).start()
+        threading.Thread(target=self.pipelines.watch_leases, args=(self._reaper_stop,),
+                         name="lease-watch", daemon=True).start()
         self._draining = threading.Event()
         self.health = WorkerHealth()  # grpc.health.v1; server.py serves it
         # Waits for device results and compiles new shapes, off the data-plane loop.
@@ -198,45 +177,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         while not self._reaper_stop.wait(period):
             self.sessions.reclaim_idle()
 
-    def _watch_leases(self) -> None:
-        """Unload the stages of a leased pipeline whose coordinator is gone: nobody has
-        subscribed to its results here for its lease (a SIGKILLed or partitioned coordinator;
-        its stages would otherwise hold their memory until someone unloads them by hand)."""
-        while not self._reaper_stop.wait(LEASE_PERIOD_S):
-            now = time.monotonic()
-            with self._lock:
-                leases = list(self._leases.items())
-            for pipeline_id, lease in leases:
-                if self.hub.subscribed(pipeline_id):
-                    lease[1] = now
-                    continue
-                if now - lease[1] <= lease[0]:
-                    continue
-                with self._lock:
-                    if self._leases.get(pipeline_id) is not lease:
-                        continue  # reloaded meanwhile
-                    del self._leases[pipeline_id]
-                    keys = [k for k in self._stages if k[0] == pipeline_id]
-                    runtimes = [self._stages.pop(k) for k in keys]
-                    self._forget_keys()
-                for rt in runtimes:
-                    rt.stop()
-                if runtimes:
-                    log.warning("pipeline %s: no coordinator has subscribed to it for %.0f s "
-                                "(its lease); unloaded its %d stage(s)", pipeline_id[:64],
-                                lease[0], len(runtimes))
-
     def runtimes(self) -> list[StageRuntime]:
         """The loaded stages, as they are now (the metrics read them)."""
-        with self._lock:
-            return list(self._stages.values())
+        return self.pipelines.runtimes()
 
     # -- control plane ----------------------------------------------------------------------
 
     @_rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
-        with self._lock:
-            runtimes = list(self._stages.values())
+        runtimes = self.pipelines.runtimes()
         reply = pb.InfoReply(
             address=self.address, worker_version=jaxdist.__version__,
             versions=pb.Versions(spec=SPEC_VERSION, jax=jax.__version__,
@@ -253,7 +202,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                   targets=self.kernels.targets, threads=self.kernels.threads,
                                   unavailable_reason=self.kernels.reason),
             loading=self.loads.to_proto(), data_port=self.data_port,
-            upload_bytes=self._uploading, inflight_bytes=self.inflight.held,
+            upload_bytes=self.uploads.held, inflight_bytes=self.inflight.held,
             streams=self.streams.total)
         for d in self._offered:
             desc = devices.describe_device(d, self._offered)
@@ -282,68 +231,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def UploadArtifact(self, request_iterator: AsyncIterator[pb.ArtifactChunk],
                              context: grpc.aio.ServicerContext) -> pb.UploadReply:
-        """Receive an artifact, on the loop: an upload that stalls holds no thread, only the
-        bytes it sent, which count against ``max_upload_bytes`` until it ends. It ends
-        ``RESOURCE_EXHAUSTED`` after ``upload_idle_timeout`` seconds without a chunk. The digest
-        is checked and the artifact stored in a thread."""
-        held = [0]  # this upload's bytes in the worker-wide count
+        """Receive an artifact, on the loop, under the upload limits (``worker/uploads.py``)."""
         try:
-            digest, data = await self._receive_upload(request_iterator, held)
-            return await asyncio.to_thread(self._store_upload, digest, data)
+            return await self.uploads.upload(request_iterator)
         except Exception as exc:
             await context.abort(_failure(exc, context, "UploadArtifact"), clip(str(exc), 4000))
             raise  # unreachable: abort raises
-        finally:
-            self._uploading -= held[0]
-
-    async def _receive_upload(self, request_iterator: AsyncIterator[pb.ArtifactChunk],
-                              held: list[int]) -> tuple[str, bytes]:
-        cfg = self.config
-        digest, parts, size = "", [], 0
-        chunks = aiter(request_iterator)
-        while True:
-            try:
-                chunk = await _next_within(chunks, cfg.upload_idle_timeout)
-            except TimeoutError:
-                raise LimitError(f"UploadArtifact of {clip(digest, 80) or 'an artifact'}: no "
-                                 f"data for {cfg.upload_idle_timeout:g} s "
-                                 f"(--upload-idle-timeout); {size} bytes had arrived. The upload "
-                                 f"is dropped") from None
-            if chunk is None:
-                break
-            if len(chunk.data) + self._uploading > cfg.max_upload_bytes:
-                raise LimitError(f"UploadArtifact of {clip(digest or chunk.digest, 80)}: the "
-                                 f"uploads in progress on this worker hold {self._uploading} "
-                                 f"bytes; {len(chunk.data)} more would pass the limit of "
-                                 f"{cfg.max_upload_bytes} (--max-upload-bytes). Retry when "
-                                 f"they have finished")
-            self._uploading += len(chunk.data)
-            held[0] += len(chunk.data)
-            if not digest:
-                digest = chunk.digest
-                if chunk.total_bytes > self.config.max_artifact_bytes:
-                    raise LimitError(f"artifact {digest} is {chunk.total_bytes} bytes, over the "
-                                     f"artifact size limit of {self.config.max_artifact_bytes} "
-                                     f"(--max-artifact-bytes)")
-            size += len(chunk.data)
-            if size > self.config.max_artifact_bytes:
-                raise LimitError(f"artifact {digest} exceeds the artifact size limit of "
-                                 f"{self.config.max_artifact_bytes} bytes (--max-artifact-bytes): "
-                                 f"{size} bytes received so far")
-            parts.append(chunk.data)
-        if not digest:
-            raise ArtifactError("empty artifact upload: the first chunk must name the digest")
-        return digest, b"".join(parts)
-
-    def _store_upload(self, digest: str, data: bytes) -> pb.UploadReply:
-        found = artifacts.digest_of(data)
-        if found != digest:
-            raise ArtifactError(f"uploaded artifact does not match its digest: expected {digest}, "
-                                f"found {found} ({len(data)} bytes)")
-        stored = not self.registry.has(digest)
-        if stored:
-            self.registry.put(data)
-        return pb.UploadReply(digest=digest, stored=stored, size=len(data))
 
     async def LoadStage(self, request: bytes, context: grpc.aio.ServicerContext
                         ) -> pb.LoadStageReply:
@@ -373,36 +266,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(_failure(exc, context, "LoadStage"), str(exc))
             raise  # unreachable: abort raises
 
-    def _lease(self, pipeline_id: str, lease_s: float) -> None:
-        """Hold ``pipeline_id``'s stages for a lease of ``lease_s`` seconds (0: pinned)."""
-        if not lease_s >= 0 or lease_s > MAX_LEASE_S:
-            raise SpecError(f"LoadStage: lease_s {lease_s} is out of range; expected 0 (pinned) "
-                            f"to {MAX_LEASE_S:.0f} seconds")
-        with self._lock:
-            if lease_s > 0:
-                self._leases[pipeline_id] = [lease_s, time.monotonic()]
-            else:
-                self._leases.pop(pipeline_id, None)
-
-    def _forget_keys(self) -> None:
-        """Drop the keys of pipelines with no stage left here (under ``_lock``)."""
-        for pipeline_id in set(self._keys) - {k[0] for k in self._stages}:
-            del self._keys[pipeline_id]
-
     def key_matches(self, pipeline_id: str, key: bytes) -> bool:
-        """Whether ``key`` is ``pipeline_id``'s key; a pipeline loaded nowhere here has none,
-        and matches nothing but the empty key. Compared in constant time."""
-        return hmac.compare_digest(self._keys.get(pipeline_id, b""), key)
-
-    def _check_key(self, what: str, pipeline_id: str, key: bytes) -> None:
-        """Raise unless ``key`` opens ``pipeline_id`` (a pipeline not loaded here: any key; a
-        subscription to it is checked again on each event)."""
-        if pipeline_id in self._keys and not self.key_matches(pipeline_id, key):
-            raise PipelineKeyError(
-                f"{what}: pipeline {clip(pipeline_id, 64)!r} on worker {self.address} was "
-                f"loaded by another coordinator; the pipeline key presented "
-                f"({'none' if not key else f'{len(key)} bytes'}) is not its key. The worker "
-                f"token alone opens only shared pipelines (jaxdist deploy)")
+        """Whether ``key`` is ``pipeline_id``'s key (``LoadedPipelines.key_matches``)."""
+        return self.pipelines.key_matches(pipeline_id, key)
 
     def _check_hops(self, spec: StageSpec, pipeline_id: str) -> None:
         """Refuse, before anything is loaded or dialled, a stage whose next hops this worker may
@@ -435,19 +301,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              f"buckets to compile, over the limit of this worker "
                              f"(--max-compiled-shapes={self.config.max_compiled_shapes})")
         pipeline_id = request.pipeline_id or spec.stage_id.split("/")[0] or "default"
-        if request.pipeline_key and not MIN_KEY_BYTES <= len(request.pipeline_key) <= MAX_KEY_BYTES:
-            raise SpecError(f"LoadStage: pipeline_key of pipeline {clip(pipeline_id, 64)!r} is "
-                            f"{len(request.pipeline_key)} bytes; expected none (a shared "
-                            f"pipeline) or {MIN_KEY_BYTES} to {MAX_KEY_BYTES} random bytes")
-        with self._lock:
-            self._check_key("LoadStage", pipeline_id, request.pipeline_key)
-        key = (pipeline_id, spec.stage_index)
+        pipelines = self.pipelines
+        pipelines.check_key_size(pipeline_id, request.pipeline_key)
+        pipelines.check_key("LoadStage", pipeline_id, request.pipeline_key)
         stage_id = spec.stage_id or f"{pipeline_id}/{spec.stage_index}"
         load.describe(stage_id, pipeline_id, spec.stage_index)
-        with self._lock:
-            old = self._stages.get(key)
+        old = pipelines.loaded(pipeline_id, spec.stage_index)
         if old is not None and old.spec.replace(artifact=None) == spec.replace(artifact=None):
-            self._lease(pipeline_id, request.lease_s)
+            pipelines.lease(pipeline_id, request.lease_s)
             return pb.LoadStageReply(stage_id=stage_id, already_loaded=True,
                                      weight_bytes=old.stage.weight_bytes,
                                      device=str(old.stage.device))
@@ -488,17 +349,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
                                sessions=self.sessions, route=route, pool=self._egress_pool,
                                max_compiled_shapes=self.config.max_compiled_shapes)
-        with self._lock:
-            if load.left:  # it finished after its caller left: nobody would use or unload it
-                discard = True
-            else:
-                # Again under the lock: another coordinator may have loaded it meanwhile.
-                self._check_key("LoadStage", pipeline_id, request.pipeline_key)
-                discard = False
-                old = self._stages.pop(key, None)
-                self._stages[key] = runtime
-                self._keys[pipeline_id] = request.pipeline_key
-        if discard:
+        try:
+            installed, old = pipelines.install(runtime, request.pipeline_key,
+                                               abandoned=lambda: load.left)
+        except PipelineKeyError:  # another coordinator loaded it meanwhile
+            runtime.stop()
+            raise
+        if not installed:
             runtime.stop()
             del stage, runtime
             heap.release_free_heap()
@@ -507,7 +364,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return None
         if old is not None:
             old.stop()
-        self._lease(pipeline_id, request.lease_s)
+        pipelines.lease(pipeline_id, request.lease_s)
         return pb.LoadStageReply(stage_id=stage_id, already_loaded=False, bind_s=stage.bind_seconds,
                                  compile_s=stage.compile_seconds, weight_bytes=stage.weight_bytes,
                                  device=str(stage.device), load_s=load.seconds.get("load", 0.0))
@@ -516,12 +373,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def UnloadStage(self, request: pb.UnloadStageRequest, context: grpc.ServicerContext
                     ) -> pb.UnloadStageReply:
         check_ids("UnloadStage", self.config.max_id_bytes, stage_id=request.stage_id)
-        with self._lock:
-            keys = [k for k, rt in self._stages.items()
-                    if request.stage_id in (rt.stage_id, rt.pipeline_id)]
-            runtimes = [self._stages.pop(k) for k in keys]
-            self._leases.pop(request.stage_id, None)
-            self._forget_keys()
+        runtimes = self.pipelines.unload(request.stage_id)
         for rt in runtimes:
             rt.stop()
         return pb.UnloadStageReply(unloaded=bool(runtimes))
@@ -543,10 +395,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                    ) -> pb.EndSessionReply:
         check_ids("EndSession", self.config.max_id_bytes, pipeline_id=request.pipeline_id,
                   session_id=request.session_id)
-        with self._lock:
-            self._check_key("EndSession", request.pipeline_id, request.pipeline_key)
-            ids = [rt.stage_id for rt in self._stages.values()
-                   if rt.pipeline_id == request.pipeline_id]
+        ids = self.pipelines.stage_ids("EndSession", request.pipeline_id, request.pipeline_key)
         freed, nbytes = self.sessions.end(request.session_id, ids)
         if freed and not self.sessions.nbytes:
             # No session left: what the steps allocated and freed (XLA's per-step temporaries,
@@ -582,7 +431,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 messages = aiter(request_iterator)
                 while True:
                     try:
-                        msg = await _next_within(messages, ingress.idle_timeout)
+                        msg = await next_within(messages, ingress.idle_timeout)
                     except TimeoutError:
                         raise await ingress.stalled(f"Push from {clip(peer, 80)}") from None
                     if msg is None:
@@ -594,7 +443,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def runtime_for(self, pipeline_id: str, stage: int) -> StageRuntime | None:
         """The loaded stage a frame is for, if any (on the loop, per frame: no lock)."""
-        return self._stages.get((pipeline_id, stage))
+        return self.pipelines.get(pipeline_id, stage)
 
     @property
     def draining(self) -> bool:
@@ -641,7 +490,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         sub = wire.parse_request(pb.SubscribeRequest, request)
         check_ids(what, self.config.max_id_bytes, pipeline_id=sub.pipeline_id,
                   reply_to=sub.reply_to)
-        self._check_key(what, sub.pipeline_id, sub.pipeline_key)
+        self.pipelines.check_key(what, sub.pipeline_id, sub.pipeline_key)
         return OpenSubscription(sub, self.streams.enter(what, peer))
 
     async def events(self, opened: OpenSubscription) -> AsyncGenerator[pb.Event, None]:
@@ -663,8 +512,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     if q.dropped is not None:  # it did not read: it hears why, once
                         raise LimitError(q.dropped)
                     return
-                if sub.pipeline_id in self._keys and not self.key_matches(sub.pipeline_id,
-                                                                          sub.pipeline_key):
+                if not self.pipelines.opens(sub.pipeline_id, sub.pipeline_key):
                     # Subscribed before the pipeline was loaded, by another coordinator.
                     raise PipelineKeyError(
                         f"Subscribe: pipeline {clip(sub.pipeline_id, 64)!r} was loaded on "
@@ -695,18 +543,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.health.shutting_down()
         self._draining.set()
         deadline = time.monotonic() + timeout
-        with self._lock:
-            runtimes = list(self._stages.values())
+        runtimes = self.pipelines.runtimes()
         return all(rt.drain(max(0.0, deadline - time.monotonic())) for rt in runtimes)
 
     def close(self) -> None:
         self._reaper_stop.set()
         self.loads.leave_all("the worker is stopping")  # first: none is loaded after this
-        with self._lock:
-            runtimes = list(self._stages.values())
-            self._stages.clear()
-            self._keys.clear()
-        for rt in runtimes:
+        for rt in self.pipelines.clear():
             rt.stop()
         self.hub.shutdown()
         self.peers.close()
