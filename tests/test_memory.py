@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from jaxdist.core.heap import release_free_heap
 from jaxdist.core.weights import WeightCache
 from jaxdist.core.weights import cache as cache_module
+from jaxdist.core.weights import convert
 
 MB = 1 << 20
 
@@ -58,7 +59,7 @@ def test_load_copies_into_an_aligned_array_and_releases_the_file_pages(big):
         assert _maps_a_file(view)
         float(view.sum())
         kept = _rss_file() - before
-        cache_module._drop_pages(view)
+        convert.drop_pages(view)
         del view
         before = _rss_file()
         out = cache.load(uri, param="w", shape=w.shape, dtype="float32")

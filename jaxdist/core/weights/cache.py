@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import mmap
 import os
 import re
 import threading
@@ -22,11 +21,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-import ml_dtypes
 import numpy as np
 
 from jaxdist.core.errors import WeightError
 from jaxdist.core.quant import PACKABLE_TYPES, dequantize, packed_shape
+from jaxdist.core.weights.convert import (
+    aligned_empty,
+    as_dtype,
+    byte_shape,
+    check_cast,
+    check_int_range,
+    convert,
+    drop_pages,
+)
 from jaxdist.core.weights.gguf import GGUFFile
 from jaxdist.core.weights.rawfile import map_fd, read_raw
 from jaxdist.core.weights.safetensors import (
@@ -57,107 +64,10 @@ class _Located:
     data: np.ndarray | None = None  # file://: the bytes mapped once, hashed and bound alike
 
 
-def _as_dtype(dtype: Any, where: str) -> np.dtype[Any]:
-    """A NumPy dtype from a name or type; ``"bfloat16"`` and the FP8 names come from ml_dtypes."""
-    if dtype is None:
-        raise WeightError(f"{where}: no dtype given; expected a dtype name such as 'float32'")
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        extra = getattr(ml_dtypes, dtype, None) if isinstance(dtype, str) else None
-        if isinstance(extra, type) and issubclass(extra, np.generic):
-            return np.dtype(extra)
-        raise WeightError(
-            f"{where}: unknown dtype {dtype!r}; expected a NumPy dtype name such as 'float32', "
-            f"'float16', 'bfloat16' or 'int64'"
-        ) from None
-
-
-def _family(dt: np.dtype[Any]) -> str:
-    if dt.kind == "f" or dt.name.startswith(("bfloat", "float")):
-        return "float"
-    return {"i": "int", "u": "int", "b": "bool"}.get(dt.kind, dt.kind)
-
-
 BIND_BLOCK_BYTES = 4 << 20
 """:meth:`WeightCache.load` converts a tensor in blocks of rows of about this many bytes (as
 float32), so that it holds one block's temporaries at a time (dequantizing makes several
 float32 arrays the size of its input) besides the result, never a whole tensor's."""
-
-_ALIGN = 64  # XLA:CPU uses a host buffer in place only at this alignment
-
-
-def _aligned_empty(shape: tuple[int, ...], dt: np.dtype[Any]) -> np.ndarray:
-    """An uninitialized C-contiguous array on a 64-byte boundary, so that
-    ``jax.device_put(a, cpu_device, may_alias=True)`` takes it as the device buffer, no copy."""
-    nbytes = math.prod(shape) * dt.itemsize
-    buf = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -buf.ctypes.data % _ALIGN
-    return buf[start:start + nbytes].view(dt).reshape(shape)
-
-
-def _drop_pages(view: np.ndarray) -> None:
-    """``MADV_DONTNEED`` the pages of a memory map behind ``view``.
-
-    The pages are clean file pages: they leave this process's resident set (and stop counting in
-    its RSS) but stay in the page cache; reading the range again faults them back in from the
-    file. Does nothing for arrays that are not views of an ``mmap`` or where madvise is missing.
-    """
-    base: Any = view
-    while base is not None and not isinstance(base, mmap.mmap):
-        base = getattr(base, "base", None)
-    if base is None or view.nbytes == 0 or not hasattr(base, "madvise"):
-        return
-    start = view.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
-    page = start - start % mmap.PAGESIZE
-    base.madvise(mmap.MADV_DONTNEED, page, start + view.nbytes - page)
-
-
-def _check_cast(src: np.dtype[Any], dt: np.dtype[Any], where: str) -> None:
-    """Refuse a cast across families (float <-> int/bool); see :func:`_convert`."""
-    if src != dt and _family(src) != _family(dt):
-        raise WeightError(
-            f"{where}: dtype mismatch: expected {dt.name}, found {src.name}; "
-            f"a {_family(src)} tensor is not converted to {_family(dt)} implicitly, "
-            f"fix the dtype in the spec"
-        )
-
-
-def _check_int_range(arr: np.ndarray, dt: np.dtype[Any], where: str) -> None:
-    """Refuse a narrowing integer cast when the values do not fit; see :func:`_convert`."""
-    if _family(dt) == "int" and not np.can_cast(arr.dtype, dt) and arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        info = np.iinfo(dt)
-        if lo < info.min or hi > info.max:
-            raise WeightError(
-                f"{where}: dtype mismatch: expected {dt.name}, found {arr.dtype.name} values in "
-                f"[{lo}, {hi}] that {dt.name} cannot hold; widen the dtype in the spec"
-            )
-
-
-def _convert(arr: np.ndarray, dt: np.dtype[Any], *, transpose: bool, where: str) -> np.ndarray:
-    """Transpose (reverse axes) and cast in one copy; no copy at all when neither is needed.
-
-    Floats convert to any float width (that is the compute-dtype choice); integers to any integer
-    width whose range holds the values. Crossing families (float <-> int/bool) is refused.
-    """
-    src = arr.T if transpose else arr
-    if arr.dtype == dt:
-        return np.ascontiguousarray(src) if transpose else np.asarray(src)
-    _check_cast(arr.dtype, dt, where)
-    _check_int_range(arr, dt, where)
-    return np.array(src, dtype=dt, order="C")
-
-
-def _byte_shape(info: WeightInfo) -> tuple[int, ...]:
-    """Shape of a tensor's stored bytes: its shape with the last dim replaced by bytes per row."""
-    if info.quant is not None:
-        return packed_shape(info.quant, info.shape)
-    if not info.shape:
-        return (info.nbytes,)
-    itemsize = _as_dtype(info.dtype, info.name).itemsize
-    return (*info.shape[:-1], info.shape[-1] * itemsize)
-
 
 class WeightCache:
     """Resolves weight URIs under a set of roots, keeping one parsed reader per file.
@@ -335,7 +245,7 @@ class WeightCache:
         """
         loc = self._locate(uri)
         where = f"weight '{loc.uri}'"
-        dt = _as_dtype(dtype, where) if dtype is not None else None
+        dt = as_dtype(dtype, where) if dtype is not None else None
         if shape is not None:
             want = tuple(int(d) for d in shape)
             found = loc.reader.info(loc.tensor or "").shape if loc.reader else want
@@ -344,7 +254,7 @@ class WeightCache:
         arr = self._natural(loc, shape, dt)
         if dt is None:
             return np.asarray(arr)
-        return _convert(arr, dt, transpose=False, where=where)
+        return convert(arr, dt, transpose=False, where=where)
 
     def resolve_bytes(self, uri: str) -> tuple[np.ndarray, WeightInfo]:
         """The tensor's stored bytes, not dequantized, and its info.
@@ -363,7 +273,7 @@ class WeightCache:
             info = WeightInfo(str(loc.path), (raw.size,), "uint8", None, raw.size, str(loc.path))
             return raw, info
         info = loc.reader.info(loc.tensor or "")
-        return raw.reshape(_byte_shape(info)), info
+        return raw.reshape(byte_shape(info)), info
 
     def describe(self, path: str | os.PathLike[str]) -> dict[str, WeightInfo]:
         """Names, shapes, dtypes, quant types and sizes of every tensor, from headers only.
@@ -486,7 +396,7 @@ class WeightCache:
             return self._load(uri, param=param, shape=shape, dtype=dtype, sha256=sha256,
                               packed=packed, transpose=transpose, quant=quant)
         except MemoryError:
-            n = math.prod(int(d) for d in shape) * _as_dtype(dtype, param).itemsize
+            n = math.prod(int(d) for d in shape) * as_dtype(dtype, param).itemsize
             raise WeightError(f"weight '{param}' ({clip(uri)}): {n} bytes ({list(shape)} "
                               f"{dtype}) could not be allocated on this worker",
                               code="RESOURCE_EXHAUSTED") from None
@@ -499,7 +409,7 @@ class WeightCache:
         if sha256 is not None:
             self._verify(loc, sha256, where)
         want = tuple(int(d) for d in shape)
-        dt = _as_dtype(dtype, where)
+        dt = as_dtype(dtype, where)
         if loc.reader is None:
             if packed:
                 raise WeightError(
@@ -528,19 +438,19 @@ class WeightCache:
         """Read, dequantize, transpose and cast a tensor into a new aligned array, in blocks of
         rows (:data:`BIND_BLOCK_BYTES`), releasing each block's file pages once it is read."""
         shape = info.shape
-        out = _aligned_empty(shape[::-1] if transpose else shape, dt)
+        out = aligned_empty(shape[::-1] if transpose else shape, dt)
         dest = out.T if transpose else out  # indexed like the stored tensor
         qtype = info.quant
         if qtype is not None and qtype in PACKABLE_TYPES and len(shape) >= 2:
-            _check_cast(np.dtype(np.float32), dt, where)
+            check_cast(np.dtype(np.float32), dt, where)
             stored = self._stored(loc).reshape(packed_shape(qtype, shape))
 
             def block(i: int, j: int) -> np.ndarray:
                 return dequantize(stored[i:j], qtype, (j - i, *shape[1:]))
         else:  # plain types: a view of the file; the rare gguf.quants types: whole, at once
             stored = self._natural(loc, shape, dt)
-            _check_cast(stored.dtype, dt, where)
-            _check_int_range(stored, dt, where)
+            check_cast(stored.dtype, dt, where)
+            check_int_range(stored, dt, where)
 
             def block(i: int, j: int) -> np.ndarray:
                 return stored[i:j]
@@ -551,9 +461,9 @@ class WeightCache:
             for i in range(0, shape[0], step):
                 j = min(i + step, shape[0])
                 dest[i:j] = block(i, j)
-                _drop_pages(stored[i:j])
+                drop_pages(stored[i:j])
         if loc.reader is not None:  # what the checksum or the header checks read
-            _drop_pages(self._stored(loc))
+            drop_pages(self._stored(loc))
         return out
 
     def _verify(self, loc: _Located, sha256: str, where: str) -> None:
@@ -601,9 +511,9 @@ class WeightCache:
                 f"of logical shape {info.shape})"
             )
         raw = np.asarray(self._stored(loc)).reshape(found)
-        out = _aligned_empty(found, dt)
+        out = aligned_empty(found, dt)
         out[...] = raw
-        _drop_pages(raw)
+        drop_pages(raw)
         logger.debug("bound %s packed: %s %s", where, stype, found)
         return out
 
