@@ -27,6 +27,7 @@ cores, not counted in the benchmark's time; later runs reuse it).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -137,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rewrite RESULTS.md and the plots from bench/out/run_all.json")
     opts = p.parse_args(argv)
+    if not opts.no_results and importlib.util.find_spec("matplotlib") is None:
+        # Checked first: the plots are drawn after every benchmark has run
+        p.error("RESULTS.md's plots need matplotlib, which is not installed: "
+                "pip install -e '.[bench]' (or pass --no-results to leave RESULTS.md alone)")
     if opts.report_only:
         saved = json.loads((OUT / "run_all.json").read_text())
         runs = [dict(r, records=saved["records"].get(r["name"], [])) for r in saved["runs"]]
