@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +29,39 @@ def median(xs: Sequence[float]) -> float:
 def quantile(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False if the peer closed before the first byte (the
+    benchmarks' relay processes, on blocking sockets)."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
+        got += n
+    return True
+
+
+def nodelay(sock: socket.socket) -> socket.socket:
+    """``sock`` with Nagle's algorithm off: each small message goes out at once."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def stop_relays(procs: Sequence[subprocess.Popen[str]], timeout: float) -> None:
+    """Wait for relay processes to exit (each does once its upstream closes), killing any
+    that take longer than ``timeout`` seconds, and close their pipes."""
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 def load() -> float:

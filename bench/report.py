@@ -15,6 +15,8 @@ TITLES = {
     "limits": "physical limits (bench/limits.py, bench/transport.py's raw-TCP side)",
     "transport": "transport (bench/transport.py)",
     "decode": "decode, SmolLM2-135M (bench/decode.py)",
+    "decode_floor": "decode floor: 2 plain relay processes against jaxdist's 2 workers "
+                    "(bench/decode_floor.py)",
     "llamacpp": "llama.cpp peer, same GGUF (bench/llamacpp.py)",
     "scaling": "microbatch scaling, compute-bound MLP (bench/scaling.py)",
     "memory": "worker memory (bench/memory.py)",

@@ -8,7 +8,7 @@ may be shared), the plots, and how to reproduce. Hand-written analysis lives in 
 which this script never touches.
 
 Order: limits, transport, decode, llamacpp (only with ``--with-llamacpp``; right after decode,
-whose records it compares against), scaling, memory, deploy, serve (llama-server too when
+whose records it compares against), decode_floor, scaling, memory, deploy, serve (llama-server too when
 bench/serve.py finds it built), soak (only with ``--with-soak``:
 a stability run, 4 minutes here), chaos (only with ``--with-chaos``: workers killed and
 restarted under load, 4 minutes here; run ``bench/chaos.py`` alone for the full 30). A benchmark that fails or times out is reported as such in
@@ -44,8 +44,8 @@ import _common as c
 import report
 
 OUT = HERE / "out"
-BENCHES = ("limits", "transport", "decode", "llamacpp", "scaling", "memory", "deploy", "serve",
-           "soak", "chaos")
+BENCHES = ("limits", "transport", "decode", "llamacpp", "decode_floor", "scaling", "memory",
+           "deploy", "serve", "soak", "chaos")
 OPT_IN = {"llamacpp": "with_llamacpp", "soak": "with_soak",  # benchmark -> option that runs it
           "chaos": "with_chaos"}
 SOAK_MINUTES = "4"   # bench/soak.py defaults to 10 minutes; here it keeps to the 5-minute budget

@@ -63,27 +63,9 @@ _ROLE_SUBSCRIBER = b"S"  # the client's return connection, dialled to the last r
 # Raw-TCP relay (runs in its own process; stdlib only, so it starts in milliseconds)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the peer closed before the first byte."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if got == 0:
-                return False
-            raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
-        got += n
-    return True
-
-
-def _nodelay(sock: socket.socket) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
 def _connect(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
-    return _nodelay(socket.create_connection((host, int(port))))
+    return _common.nodelay(socket.create_connection((host, int(port))))
 
 
 def _jax_step() -> Callable[[memoryview], bytes]:
@@ -118,7 +100,7 @@ def _relay_main(next_hop: str | None, jax_step: bool = False) -> int:
     up = None
     while up is None or down is None:
         conn, _ = server.accept()
-        _nodelay(conn)
+        _common.nodelay(conn)
         role = conn.recv(1)
         if role == _ROLE_UPSTREAM:
             up = conn
@@ -128,7 +110,7 @@ def _relay_main(next_hop: str | None, jax_step: bool = False) -> int:
             conn.close()
     buf = bytearray(1 << 16)
     while True:
-        if not _recv_into(up, memoryview(buf)[:_LEN.size]):
+        if not _common.recv_into(up, memoryview(buf)[:_LEN.size]):
             return 0
         (n,) = _LEN.unpack_from(buf)
         if len(buf) < _LEN.size + n:
@@ -136,7 +118,7 @@ def _relay_main(next_hop: str | None, jax_step: bool = False) -> int:
             buf = bytearray(_LEN.size + n)
             buf[:_LEN.size] = head
         view = memoryview(buf)
-        _recv_into(up, view[_LEN.size:_LEN.size + n])
+        _common.recv_into(up, view[_LEN.size:_LEN.size + n])
         if step is not None:
             out = step(view[_LEN.size:_LEN.size + n])
             down.sendall(_LEN.pack(len(out)) + out)
@@ -200,26 +182,19 @@ class RawChain:
 
     def _receive(self) -> memoryview:
         """The next message from the last relay; valid until the next receive."""
-        _recv_into(self.sub, memoryview(self._hdr))
+        _common.recv_into(self.sub, memoryview(self._hdr))
         (n,) = _LEN.unpack_from(self._hdr)
         if len(self._buf) < n:
             self._buf = bytearray(n)
         view = memoryview(self._buf)[:n]
-        _recv_into(self.sub, view)
+        _common.recv_into(self.sub, view)
         return view
 
     def close(self) -> None:
         for s in (getattr(self, "send", None), getattr(self, "sub", None)):
             if s is not None:
                 s.close()
-        for p in self.procs:
-            try:
-                p.wait(timeout=5)  # a relay exits when its upstream closes
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+        _common.stop_relays(self.procs, 5.0)
         self.procs = []
 
 

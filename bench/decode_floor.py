@@ -1,0 +1,335 @@
+"""Decode floor: what two processes cost a token before any of jaxdist's worker runs.
+
+The same SmolLM2-135M Q4_1 model and export settings as ``bench/decode.py`` (batch 1, greedy,
+48 new tokens after the prompt "The capital of France is"). Four systems, timed in interleaved
+rounds whose order rotates, so drift of a shared 2-core machine hits all of them alike:
+
+* ``single``: one stage in this process (``InProcessPipeline`` and the ``Generator``, as
+  ``bench/decode.py``'s baseline).
+* ``inproc2``: the two stages of the 2-worker split, in this process, run one after the other
+  with a host copy of stage 0's output between them: no event loop, no transport.
+* ``relays2``: the same two stages in two *relay* processes on loopback:
+  client -> relay 0 -> relay 1 -> client, the three transfers per token of a 2-worker
+  deployment. A relay reads a length-prefixed frame from a blocking socket, decodes it with
+  jaxdist's frame codec (``frames.parse_frame``, ``FrameAssembler``), runs its stage
+  (``WorkerStage.run``, the worker's own stage class), copies the outputs to the host, encodes
+  them (``frames.split_frame``) and writes them on. It has none of the worker's event loop,
+  checks, limits or stage runtime: the floor of a pipeline of two Python processes that each run
+  a jax stage.
+* ``2w``: jaxdist, ``Cluster.local(2)`` with one stage per worker (``bench/decode.py``'s ``2w``).
+
+Records: ``decode_floor_tokens_per_s_{single,inproc2,relays2,2w}`` (1 / median step, with
+``median_step_ms`` and each round's steps in the detail), each against ``single``;
+``decode_floor_2w_over_relays2``: jaxdist's 2 workers against the relay floor. The relays'
+tokens are compared with the single process's (``same_tokens``). Nothing here asserts on time.
+
+Usage::
+
+    python bench/decode_floor.py [--quick] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import _common
+import decode
+
+_LEN = struct.Struct("<Q")
+_READY = "relay listening on port "
+_UPSTREAM = b"U"  # a connection that sends frames into a relay
+_RETURN = b"R"  # the client's connection to the last relay, for the results
+NEW_TOKENS = 48
+
+
+# ---------------------------------------------------------------------------------------------
+# Frames on a blocking socket (both ends)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """The next ``n`` bytes; ``None`` if the peer closed before the first."""
+    buf = bytearray(n)
+    return bytes(buf) if _common.recv_into(sock, memoryview(buf)) else None
+
+
+def _send(sock: socket.socket, header: Any, tensors: dict[str, Any]) -> None:
+    from jaxdist.core.transport.frames import split_frame
+
+    (message,) = split_frame(header, tensors)  # a decode step's frame is one message
+    sock.sendall(_LEN.pack(len(message)) + message)
+
+
+def _receive(sock: socket.socket, asm: Any) -> tuple[Any, dict[str, Any]] | None:
+    from jaxdist.core.transport.frames import header_of, parse_frame
+
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    data = _recv_exact(sock, n)
+    if data is None:
+        raise ConnectionError("peer closed inside a frame")
+    view = parse_frame(data)
+    done = asm.add(view, header_of(view.msg))
+    if done is None:
+        raise ConnectionError("a decode step's frame came in more than one message")
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# The relay process
+
+
+def _load_stage(workdir: pathlib.Path, k: int) -> Any:
+    from jaxdist.core import kernels
+    from jaxdist.core.spec import StageSpec
+    from jaxdist.core.stage import WorkerStage
+    from jaxdist.core.weights import WeightCache
+
+    kernels.load()
+    spec = StageSpec.deserialize((workdir / f"spec{k}").read_bytes())
+    cache = WeightCache([(workdir / "root").read_text()])
+    return WorkerStage.load(spec, artifact=(workdir / f"artifact{k}").read_bytes(), cache=cache)
+
+
+def _relay_main(workdir: str, k: int, next_port: int) -> int:
+    """Run stage ``k`` on every frame from upstream; send the outputs, with the step's other
+    tensors, which the next stage reads, to ``next_port``; or (0) the outputs alone back to
+    the client."""
+    import numpy as np
+
+    from jaxdist.core.transport.frames import FrameAssembler, FrameHeader
+
+    stage = _load_stage(pathlib.Path(workdir), k)
+    names = [s.name for s in stage.spec.inputs]
+    server = socket.create_server(("127.0.0.1", 0))
+    print(f"{_READY}{server.getsockname()[1]}", flush=True)
+    up = down = None
+    if next_port:
+        down = _common.nodelay(socket.create_connection(("127.0.0.1", next_port)))
+        down.sendall(_UPSTREAM)
+    while up is None or down is None:  # each connection says what it is: they race
+        conn = _common.nodelay(server.accept()[0])
+        role = _recv_exact(conn, 1)
+        if role == _UPSTREAM and up is None:
+            up = conn
+        elif role == _RETURN and down is None and not next_port:
+            down = conn
+        else:
+            conn.close()
+    asm, state = FrameAssembler(), None
+    while (got := _receive(up, asm)) is not None:
+        header, tensors = got
+        if header.step == 0:
+            state = stage.init_state()
+        inputs = {n: tensors[n] for n in names}
+        outputs, state = stage.run(inputs, state, shapes=stage.check_inputs(inputs))
+        out = {n: np.asarray(v) for n, v in outputs.items()}
+        if next_port:  # the step's other tensors (position, sampling) go on to the next stage
+            out = {**tensors, **out}
+        _send(down, FrameHeader(header.pipeline_id, header.session_id, header.step,
+                                header.stage + 1), out)
+    return 0
+
+
+class Relays:
+    """Two relay processes with the stages of the 2-worker split, and the client's sockets."""
+
+    def __init__(self, workdir: pathlib.Path) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        port = 0
+        try:
+            for k in (1, 0):  # the last first: each dials the one after it
+                proc = subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "_relay", str(workdir), str(k),
+                     str(port)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+                self.procs.append(proc)
+                line = proc.stdout.readline().strip() if proc.stdout else ""
+                if not line.startswith(_READY):
+                    raise RuntimeError(f"relay {k} (pid {proc.pid}) did not start: {line!r}")
+                port = int(line[len(_READY):])
+                if k == 1:
+                    last = port
+            self.send = _common.nodelay(socket.create_connection(("127.0.0.1", port)))
+            self.send.sendall(_UPSTREAM)
+            self.back = _common.nodelay(socket.create_connection(("127.0.0.1", last)))
+            self.back.sendall(_RETURN)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for s in (getattr(self, "send", None), getattr(self, "back", None)):
+            if s is not None:
+                s.close()
+        _common.stop_relays(self.procs, 10.0)  # relay 0 ends when the client closes, then 1
+        self.procs = []
+
+
+# ---------------------------------------------------------------------------------------------
+# The systems: each generates NEW_TOKENS tokens greedily; returns (tokens, step durations)
+
+Generate = Callable[[list[int], int], tuple[list[int], list[float]]]
+
+
+def _steps_loop(step: Callable[[dict[str, Any], int], int], lm: Any) -> Generate:
+    """Prefill the prompt (its 16 bucket), then decode ``n`` tokens one step at a time."""
+    from jaxdist.coordinator.request import SamplingParams
+    from jaxdist.coordinator.steps import step_inputs
+
+    params = SamplingParams()
+
+    def generate(ids: list[int], n: int) -> tuple[list[int], list[float]]:
+        first = step_inputs([(0, 0, ids, params)], decode.PREFILL_BUCKETS[0],
+                            dtypes=lm.input_dtypes, max_slots=lm.max_slots)
+        tokens, stamps = [step(first, 0)], []
+        for i in range(n - 1):
+            x = step_inputs([(0, len(ids) + i, [tokens[-1]], params)], 1,
+                            dtypes=lm.input_dtypes, max_slots=lm.max_slots)
+            tokens.append(step(x, i + 1))
+            stamps.append(time.perf_counter())
+        return tokens, [b - a for a, b in zip(stamps, stamps[1:])]
+
+    return generate
+
+
+def _first_token(outputs: dict[str, Any]) -> int:
+    import numpy as np
+
+    return int(np.asarray(next(iter(outputs.values()))).reshape(-1)[0])
+
+
+def _inproc2(stages: Sequence[Any], lm: Any) -> Generate:
+    import numpy as np
+
+    states: list[Any] = [None, None]
+
+    def step(x: dict[str, Any], n: int) -> int:
+        tensors = dict(x)
+        for k, stage in enumerate(stages):
+            if n == 0:
+                states[k] = stage.init_state()
+            inputs = {s.name: tensors[s.name] for s in stage.spec.inputs}
+            outputs, states[k] = stage.run(inputs, states[k])
+            tensors.update({name: np.asarray(v) for name, v in outputs.items()})
+        return _first_token(outputs)
+
+    return _steps_loop(step, lm)
+
+
+def _relays2(relays: Relays, lm: Any) -> Generate:
+    from jaxdist.core.transport.frames import FrameAssembler, FrameHeader
+
+    asm = FrameAssembler()
+
+    def step(x: dict[str, Any], n: int) -> int:
+        _send(relays.send, FrameHeader("floor", "s", n, 0), x)
+        got = _receive(relays.back, asm)
+        if got is None:
+            raise ConnectionError("relay 1 closed its connection")
+        return _first_token(got[1])  # the last relay sends its stage's outputs only
+
+    return _steps_loop(step, lm)
+
+
+def _generator(cfg: Any) -> Generate:
+    def generate(ids: list[int], n: int) -> tuple[list[int], list[float]]:
+        result, steps = decode._batch1(cfg, ids, n)
+        return list(result.tokens), steps
+
+    return generate
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run(opts: Any) -> list[dict[str, Any]]:
+    import jax
+
+    from jaxdist.core import config
+    from jaxdist.export.partition import balanced_split
+    from jaxdist.export.plugins import load_model
+    from jaxdist.export.stages import build_stage_specs
+
+    note = _common.note("decode_floor")
+    rounds = 3 if opts.quick else 7
+    machine = _common.machine()
+    config.configure_compilation_cache(config.default_compilation_cache(),
+                                       jax.devices("cpu")[0].device_kind)
+    path = decode.smollm2_path()
+    root = os.fspath(path.parent)
+    loaded = load_model(path.name, roots=[root], max_seq=decode.MAX_SEQ,
+                        max_slots=decode.MAX_SLOTS, prefill_buckets=decode.PREFILL_BUCKETS)
+    lm, model = loaded.causal_lm, loaded.model
+    ids = loaded.tokenizer.encode(decode.PROMPT)
+    records: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        workdir = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        (workdir / "root").write_text(root)
+        # The split of Cluster.deploy(stages=2), exported once for the relays and this process
+        ranges = balanced_split([u.weight_bytes + u.state_bytes + 1 for u in model.units], 2)
+        for b in build_stage_specs(model, ranges, platforms=("cpu",)):
+            (workdir / f"spec{b.spec.stage_index}").write_bytes(b.spec.serialize())
+            (workdir / f"artifact{b.spec.stage_index}").write_bytes(b.artifact.data)
+        single = decode._build_single(loaded, root)
+        stack.callback(single.pipe.close)
+        two = decode._build_workers(loaded, root, 2)
+        stack.callback(two.cluster.close)
+        relays = Relays(workdir)
+        stack.callback(relays.close)
+        stages = [_load_stage(workdir, k) for k in (0, 1)]
+        note(f"built; the 2-stage split is units {[len(r) for r in ranges]}")
+        systems: dict[str, Generate] = {"single": _generator(single),
+                                        "inproc2": _inproc2(stages, lm),
+                                        "relays2": _relays2(relays, lm), "2w": _generator(two)}
+        tokens: dict[str, list[int]] = {}
+        for name, generate in systems.items():  # warm-up: every shape compiled
+            tokens[name] = generate(ids, 8)[0]
+        steps: dict[str, list[float]] = {name: [] for name in systems}
+        medians: dict[str, list[float]] = {name: [] for name in systems}
+        loads = []
+        for r in range(rounds):
+            names = list(systems)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                tokens[name], got = systems[name](ids, NEW_TOKENS)
+                steps[name] += got
+                medians[name].append(round(_common.median(got) * 1e3, 3))
+            loads.append(_common.load())
+            note(f"round {r + 1}/{rounds}: median step ms {({k: v[-1] for k, v in medians.items()})}")
+        tps = {name: 1.0 / _common.median(v) for name, v in steps.items()}
+        same = {name: tokens[name] == tokens["single"] for name in systems}
+        what = {"single": "one stage in this process (InProcessPipeline)",
+                "inproc2": "the 2 stages in this process, one after the other",
+                "relays2": "the 2 stages in 2 relay processes, blocking sockets, frame codec",
+                "2w": "jaxdist, Cluster.local(2)"}
+        for name in systems:
+            _common.emit(_common.record(
+                f"decode_floor_tokens_per_s_{name}", tps[name], "tok/s",
+                "" if name == "single" else "single process", None if name == "single"
+                else tps["single"], None if name == "single" else tps[name] / tps["single"],
+                "", None, system=what[name], median_step_ms=round(1e3 / tps[name], 3),
+                round_median_step_ms=medians[name], same_tokens_as_single=same[name],
+                new_tokens=NEW_TOKENS, rounds=rounds, loadavg_1m_during=[min(loads), max(loads)],
+                **machine), records)
+        _common.emit(_common.record(
+            "decode_floor_2w_over_relays2", tps["2w"], "tok/s", "2 relay processes",
+            tps["relays2"], tps["2w"] / tps["relays2"], "", None,
+            note="jaxdist's 2 workers against the floor of 2 Python processes running the "
+                 "same stages", **machine), records)
+    return records
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_relay":
+        sys.exit(_relay_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    sys.exit(_common.cli(__doc__ or "", run))
