@@ -8,9 +8,10 @@ with a message naming the flag, its value and what was asked for.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
@@ -18,7 +19,7 @@ from jaxdist.core.errors import LimitError
 from jaxdist.core.weights.uri import clip
 
 __all__ = ["KV_MEMORY_FRACTION", "MAX_ID_BYTES", "FrameBudget", "InflightBytes", "PeerStreams",
-           "check_ids", "default_max_kv_bytes", "peer_host"]
+           "check_ids", "default_max_kv_bytes", "next_within", "peer_host"]
 
 MAX_ID_BYTES = 256
 """Default ``--max-id-bytes``: the longest pipeline, stage, session, reply-to id or model name a
@@ -33,6 +34,20 @@ it ends, so the bound is the device's memory: the physical RAM for a CPU device,
 memory where jax reports it. Half leaves the other half for the stages' weights, the compiled
 executables, activations in flight and the rest of the machine. Read once, at start-up.
 """
+
+
+T = TypeVar("T")
+
+
+async def next_within(messages: AsyncIterator[T], timeout: float | None) -> T | None:
+    """A stream's next message, or ``None`` at its end (the idle bound of ``Push`` and
+    ``UploadArtifact``).
+
+    Raises:
+        TimeoutError: none came within ``timeout`` seconds (``None``: no bound).
+    """
+    async with asyncio.timeout(timeout):
+        return await anext(messages, None)
 
 
 def check_ids(where: str, limit: int, **ids: str) -> None:

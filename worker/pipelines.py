@@ -119,11 +119,6 @@ class LoadedPipelines:
 
     # -- loading and unloading --------------------------------------------------------------
 
-    def loaded(self, pipeline_id: str, stage: int) -> StageRuntime | None:
-        """:meth:`get`, under the lock (for a load deciding whether it has anything to do)."""
-        with self._lock:
-            return self._stages.get((pipeline_id, stage))
-
     def install(self, runtime: StageRuntime, key: bytes, *,
                 abandoned: Callable[[], bool]) -> tuple[bool, StageRuntime | None]:
         """Put ``runtime`` in its place, under ``key``, unless ``abandoned()`` says its load's

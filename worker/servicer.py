@@ -56,6 +56,7 @@ from jaxdist.worker.limits import (
     PeerStreams,
     check_ids,
     default_max_kv_bytes,
+    next_within,
 )
 from jaxdist.worker.loads import CallerLeft, Load, Loads
 from jaxdist.worker.pipelines import LoadedPipelines
@@ -68,7 +69,7 @@ from jaxdist.worker.runtime import (
     Subscription,
 )
 from jaxdist.worker.tcp_route import TcpRoute
-from jaxdist.worker.uploads import ArtifactUploads, next_within
+from jaxdist.worker.uploads import ArtifactUploads
 
 __all__ = ["WorkerServicer"]
 
@@ -306,7 +307,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         pipelines.check_key("LoadStage", pipeline_id, request.pipeline_key)
         stage_id = spec.stage_id or f"{pipeline_id}/{spec.stage_index}"
         load.describe(stage_id, pipeline_id, spec.stage_index)
-        old = pipelines.loaded(pipeline_id, spec.stage_index)
+        old = pipelines.get(pipeline_id, spec.stage_index)
         if old is not None and old.spec.replace(artifact=None) == spec.replace(artifact=None):
             pipelines.lease(pipeline_id, request.lease_s)
             return pb.LoadStageReply(stage_id=stage_id, already_loaded=True,

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist.core.errors import JaxdistError, LimitError, TransportError
+from jaxdist.core.errors import LimitError, TransportError
 from jaxdist.core.spec import StageSpec
 from jaxdist.core.transport import stream
 from jaxdist.core.transport.dataconn import DataConnection, open_connection

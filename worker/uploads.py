@@ -10,28 +10,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TypeVar
-
 from jaxdist.core import artifacts
 from jaxdist.core.errors import ArtifactError, LimitError
 from jaxdist.core.store import LocalStore
 from jaxdist.core.weights.uri import clip
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.worker.config import WorkerConfig
+from jaxdist.worker.limits import next_within
 
-__all__ = ["ArtifactUploads", "next_within"]
-
-T = TypeVar("T")
-
-
-async def next_within(messages: AsyncIterator[T], timeout: float | None) -> T | None:
-    """A stream's next message, or ``None`` at its end.
-
-    Raises:
-        TimeoutError: none came within ``timeout`` seconds (``None``: no bound).
-    """
-    async with asyncio.timeout(timeout):
-        return await anext(messages, None)
+__all__ = ["ArtifactUploads"]
 
 
 class ArtifactUploads:
