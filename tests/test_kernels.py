@@ -257,3 +257,25 @@ def test_kernel_info_and_threads() -> None:
         np.testing.assert_array_equal(one, two)  # the split changes no result
     finally:
         kernels.load(threads=0)
+
+
+def _read_syscalls() -> int:
+    """This process's read system calls so far (Linux ``/proc/self/io``)."""
+    for line in pathlib.Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("syscr:"):
+            return int(line.split()[1])
+    raise AssertionError("/proc/self/io has no syscr line")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_kernel_calls_make_no_system_calls(matmul) -> None:
+    # A kernel call once asked glibc for the number of cores, which reads
+    # /sys/devices/system/cpu/online: about a hundred reads per SmolLM2 decode step.
+    rng = np.random.default_rng(3)
+    blocks, _ = _random_blocks(rng, (64, 256), "Q4_1")
+    x = jnp.asarray(rng.standard_normal((1, 256)).astype(np.float32))
+    matmul(x, blocks, "Q4_1").block_until_ready()  # compiled, helpers started
+    before = _read_syscalls()
+    for _ in range(200):
+        matmul(x, blocks, "Q4_1").block_until_ready()
+    assert _read_syscalls() - before < 20, "kernel calls read files (expected none per call)"

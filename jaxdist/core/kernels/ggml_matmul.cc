@@ -207,9 +207,16 @@ Helpers& TheHelpers() {
   return *helpers;
 }
 
+// Read once: glibc answers hardware_concurrency() by opening /sys/devices/system/cpu/online,
+// which cost a decode step about a hundred system calls when it was asked on every product.
+int64_t HardwareThreads() {
+  static const int64_t n = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  return n;
+}
+
 void Run(const std::shared_ptr<Job>& job, int64_t macs) {
   int64_t threads = g_threads.load(std::memory_order_relaxed);
-  if (threads <= 0) threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  if (threads <= 0) threads = HardwareThreads();
   // Splitting has a cost too (handing chunks over, results meeting in one cache): small
   // products run on the caller alone (bench/NOTES.md, "CPU kernels").
   if (macs < (job->live > 1 ? kMinSplitWorkRows : kMinSplitWork)) threads = 1;
