@@ -1,7 +1,7 @@
 """Decode floor: what two processes cost a token before any of jaxdist's worker runs.
 
 The same SmolLM2-135M Q4_1 model and export settings as ``bench/decode.py`` (batch 1, greedy,
-48 new tokens after the prompt "The capital of France is"). Four systems, timed in interleaved
+48 new tokens after the prompt "The capital of France is"). Five systems, timed in interleaved
 rounds whose order rotates, so drift of a shared 2-core machine hits all of them alike:
 
 * ``single``: one stage in this process (``InProcessPipeline`` and the ``Generator``, as
@@ -16,12 +16,19 @@ rounds whose order rotates, so drift of a shared 2-core machine hits all of them
   them (``frames.split_frame``) and writes them on. It has none of the worker's event loop,
   checks, limits or stage runtime: the floor of a pipeline of two Python processes that each run
   a jax stage.
+* ``loop2``: the relays of ``relays2`` with the decode loop closed on them: the client sends
+  the prompt once, relay 1 sends each token straight back to relay 0, which builds the next
+  step's inputs itself, and sends the client all the tokens at the end, with when each step
+  ended (``time.perf_counter`` in relay 1). Two transfers per token instead of three, and no
+  client in the loop: the floor of a decode loop run by the workers that streams nothing.
 * ``2w``: jaxdist, ``Cluster.local(2)`` with one stage per worker (``bench/decode.py``'s ``2w``).
 
-Records: ``decode_floor_tokens_per_s_{single,inproc2,relays2,2w}`` (1 / median step, with
+Records: ``decode_floor_tokens_per_s_{single,inproc2,relays2,loop2,2w}`` (1 / median step, with
 ``median_step_ms`` and each round's steps in the detail), each against ``single``;
 ``decode_floor_2w_over_relays2``: jaxdist's 2 workers against the relay floor. The relays'
-tokens are compared with the single process's (``same_tokens``). Nothing here asserts on time.
+tokens are compared with the single process's (``same_tokens``).
+``decode_floor_loop2_over_relays2``: the closed loop against the chain. Nothing here asserts on
+time.
 
 Usage::
 
@@ -31,6 +38,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import socket
@@ -49,6 +57,8 @@ _LEN = struct.Struct("<Q")
 _READY = "relay listening on port "
 _UPSTREAM = b"U"  # a connection that sends frames into a relay
 _RETURN = b"R"  # the client's connection to the last relay, for the results
+_FEEDBACK = b"F"  # loop2: the last relay's connection back to the first, for the tokens
+_PORT = struct.Struct("<I")  # after _UPSTREAM: the sender's own port (0 from the client)
 NEW_TOKENS = 48
 
 
@@ -102,57 +112,142 @@ def _load_stage(workdir: pathlib.Path, k: int) -> Any:
     return WorkerStage.load(spec, artifact=(workdir / f"artifact{k}").read_bytes(), cache=cache)
 
 
-def _relay_main(workdir: str, k: int, next_port: int) -> int:
+def _relay_main(workdir: str, k: int, next_port: int, loop: bool) -> int:
     """Run stage ``k`` on every frame from upstream; send the outputs, with the step's other
     tensors, which the next stage reads, to ``next_port``; or (0) the outputs alone back to
-    the client."""
-    import numpy as np
-
-    from jaxdist.core.transport.frames import FrameAssembler, FrameHeader
-
+    the client. With ``loop`` (``loop2``), relay 1 also sends them back to relay 0, which
+    runs the decode steps of a prompt from them (:func:`_loop_first`)."""
     stage = _load_stage(pathlib.Path(workdir), k)
-    names = [s.name for s in stage.spec.inputs]
     server = socket.create_server(("127.0.0.1", 0))
-    print(f"{_READY}{server.getsockname()[1]}", flush=True)
-    up = down = None
+    port = server.getsockname()[1]
+    print(f"{_READY}{port}", flush=True)
+    down = feedback = None
     if next_port:
         down = _common.nodelay(socket.create_connection(("127.0.0.1", next_port)))
-        down.sendall(_UPSTREAM)
-    while up is None or down is None:  # each connection says what it is: they race
+        down.sendall(_UPSTREAM + _PORT.pack(port))
+    # the first relay of a loop hears from the last; the last relay of any chain, the client
+    wanted = {_UPSTREAM, *([_FEEDBACK] if loop and next_port else []),
+              *([] if next_port else [_RETURN])}
+    conns: dict[bytes, socket.socket] = {}
+    while set(conns) != wanted:  # each connection says what it is: they race
         conn = _common.nodelay(server.accept()[0])
-        role = _recv_exact(conn, 1)
-        if role == _UPSTREAM and up is None:
-            up = conn
-        elif role == _RETURN and down is None and not next_port:
-            down = conn
+        role = _recv_exact(conn, 1) or b""
+        if role == _UPSTREAM:
+            (back,) = _PORT.unpack(_recv_exact(conn, _PORT.size) or bytes(_PORT.size))
+            if loop and not next_port and back:  # the last relay of a loop dials the first
+                feedback = _common.nodelay(socket.create_connection(("127.0.0.1", back)))
+                feedback.sendall(_FEEDBACK)
+        if role in wanted and role not in conns:
+            conns[role] = conn
         else:
             conn.close()
+    up, out_sock = conns[_UPSTREAM], down or conns[_RETURN]
+    if loop and next_port:
+        _loop_first(stage, up, conns[_FEEDBACK], out_sock, pathlib.Path(workdir))
+    elif loop:
+        assert feedback is not None
+        _loop_last(stage, up, feedback, out_sock)
+    else:
+        _chain(stage, up, out_sock, forward=bool(next_port))
+    return 0
+
+
+def _run(stage: Any, tensors: dict[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
+    import numpy as np
+
+    inputs = {s.name: tensors[s.name] for s in stage.spec.inputs}
+    outputs, state = stage.run(inputs, state, shapes=stage.check_inputs(inputs))
+    return {n: np.asarray(v) for n, v in outputs.items()}, state
+
+
+def _chain(stage: Any, up: socket.socket, down: socket.socket, *, forward: bool) -> None:
+    """A relay of the chain: one step per frame from ``up``. ``forward``: the step's other
+    tensors (position, sampling) go on with the outputs, to the next stage."""
+    from jaxdist.core.transport.frames import FrameAssembler, FrameHeader
+
     asm, state = FrameAssembler(), None
     while (got := _receive(up, asm)) is not None:
         header, tensors = got
         if header.step == 0:
             state = stage.init_state()
-        inputs = {n: tensors[n] for n in names}
-        outputs, state = stage.run(inputs, state, shapes=stage.check_inputs(inputs))
-        out = {n: np.asarray(v) for n, v in outputs.items()}
-        if next_port:  # the step's other tensors (position, sampling) go on to the next stage
-            out = {**tensors, **out}
+        out, state = _run(stage, tensors, state)
         _send(down, FrameHeader(header.pipeline_id, header.session_id, header.step,
-                                header.stage + 1), out)
-    return 0
+                                header.stage + 1), {**tensors, **out} if forward else out)
+
+
+def _loop_last(stage: Any, up: socket.socket, feedback: socket.socket,
+               down: socket.socket) -> None:
+    """loop2's last relay: each step's outputs go back to the first relay (but a prompt's
+    last token). The client hears once per prompt: its tokens, and when each step ended
+    (``time.perf_counter``, the system's monotonic clock): sending it every token would wake
+    it while the first relay computes, so this is the floor of a loop that streams nothing."""
+    import numpy as np
+
+    from jaxdist.core.transport.frames import FrameAssembler, FrameHeader
+
+    asm, state = FrameAssembler(), None
+    tokens: list[int] = []
+    ends: list[float] = []
+    while (got := _receive(up, asm)) is not None:
+        header, tensors = got
+        if header.step == 0:
+            state, tokens, ends = stage.init_state(), [], []
+        out, state = _run(stage, tensors, state)
+        reply = FrameHeader(header.pipeline_id, header.session_id, header.step, 2)
+        if header.step + 1 < _loop_tokens(header.session_id)[0]:
+            _send(feedback, reply, out)
+        tokens.append(_first_token(out))
+        ends.append(time.perf_counter())
+        if header.step + 1 == _loop_tokens(header.session_id)[0]:
+            _send(down, reply, {"tokens": np.asarray(tokens, np.int64),
+                                "ends": np.asarray(ends, np.float64)})
+
+
+def _loop_tokens(session_id: str) -> tuple[int, int]:
+    """loop2's session id: ``"<new tokens>:<prompt length>"``."""
+    n, prompt = session_id.split(":")
+    return int(n), int(prompt)
+
+
+def _loop_first(stage: Any, up: socket.socket, feedback: socket.socket, down: socket.socket,
+                workdir: pathlib.Path) -> None:
+    """loop2's first relay: a prompt frame from the client, then each decode step from the
+    token that the last relay sends back, the step's inputs built here (as the coordinator
+    builds them)."""
+    from jaxdist.coordinator.request import SamplingParams
+    from jaxdist.coordinator.steps import step_inputs
+    from jaxdist.core.transport.frames import FrameAssembler, FrameHeader
+
+    meta = json.loads((workdir / "inputs.json").read_text())
+    asm, params = FrameAssembler(), SamplingParams()
+    while (got := _receive(up, asm)) is not None:
+        header, tensors = got
+        n, prompt = _loop_tokens(header.session_id)
+        state = stage.init_state()
+        for step in range(n):
+            if step:
+                back = _receive(feedback, asm)
+                if back is None:
+                    raise ConnectionError("the last relay closed its loop connection")
+                tensors = step_inputs([(0, prompt + step - 1, [_first_token(back[1])], params)],
+                                      1, dtypes=meta["dtypes"], max_slots=meta["max_slots"])
+            out, state = _run(stage, tensors, state)
+            _send(down, FrameHeader(header.pipeline_id, header.session_id, step, 1),
+                  {**tensors, **out})
 
 
 class Relays:
     """Two relay processes with the stages of the 2-worker split, and the client's sockets."""
 
-    def __init__(self, workdir: pathlib.Path) -> None:
+    def __init__(self, workdir: pathlib.Path, *, loop: bool = False) -> None:
         self.procs: list[subprocess.Popen[str]] = []
         port = 0
         try:
             for k in (1, 0):  # the last first: each dials the one after it
                 proc = subprocess.Popen(
                     [sys.executable, os.path.abspath(__file__), "_relay", str(workdir), str(k),
-                     str(port)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+                     str(port), "loop" if loop else "chain"], stdout=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL, text=True)
                 self.procs.append(proc)
                 line = proc.stdout.readline().strip() if proc.stdout else ""
                 if not line.startswith(_READY):
@@ -161,7 +256,7 @@ class Relays:
                 if k == 1:
                     last = port
             self.send = _common.nodelay(socket.create_connection(("127.0.0.1", port)))
-            self.send.sendall(_UPSTREAM)
+            self.send.sendall(_UPSTREAM + _PORT.pack(0))
             self.back = _common.nodelay(socket.create_connection(("127.0.0.1", last)))
             self.back.sendall(_RETURN)
         except BaseException:
@@ -242,6 +337,27 @@ def _relays2(relays: Relays, lm: Any) -> Generate:
     return _steps_loop(step, lm)
 
 
+def _loop2(relays: Relays, lm: Any) -> Generate:
+    from jaxdist.coordinator.request import SamplingParams
+    from jaxdist.coordinator.steps import step_inputs
+    from jaxdist.core.transport.frames import FrameAssembler, FrameHeader
+
+    asm = FrameAssembler()
+
+    def generate(ids: list[int], n: int) -> tuple[list[int], list[float]]:
+        x = step_inputs([(0, 0, ids, SamplingParams())], decode.PREFILL_BUCKETS[0],
+                        dtypes=lm.input_dtypes, max_slots=lm.max_slots)
+        _send(relays.send, FrameHeader("floor", f"{n}:{len(ids)}", 0, 0), x)
+        got = _receive(relays.back, asm)
+        if got is None:
+            raise ConnectionError("relay 1 closed its connection")
+        tokens, ends = got[1]["tokens"].tolist(), got[1]["ends"].tolist()
+        # as _steps_loop: the intervals between decode steps (the prompt's token excluded)
+        return tokens, [b - a for a, b in zip(ends[1:], ends[2:])]
+
+    return generate
+
+
 def _generator(cfg: Any) -> Generate:
     def generate(ids: list[int], n: int) -> tuple[list[int], list[float]]:
         result, steps = decode._batch1(cfg, ids, n)
@@ -276,6 +392,8 @@ def run(opts: Any) -> list[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
         workdir = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
         (workdir / "root").write_text(root)
+        (workdir / "inputs.json").write_text(json.dumps({"dtypes": dict(lm.input_dtypes),
+                                                         "max_slots": lm.max_slots}))
         # The split of Cluster.deploy(stages=2), exported once for the relays and this process
         ranges = balanced_split([u.weight_bytes + u.state_bytes + 1 for u in model.units], 2)
         for b in build_stage_specs(model, ranges, platforms=("cpu",)):
@@ -287,11 +405,14 @@ def run(opts: Any) -> list[dict[str, Any]]:
         stack.callback(two.cluster.close)
         relays = Relays(workdir)
         stack.callback(relays.close)
+        loop = Relays(workdir, loop=True)
+        stack.callback(loop.close)
         stages = [_load_stage(workdir, k) for k in (0, 1)]
         note(f"built; the 2-stage split is units {[len(r) for r in ranges]}")
         systems: dict[str, Generate] = {"single": _generator(single),
                                         "inproc2": _inproc2(stages, lm),
-                                        "relays2": _relays2(relays, lm), "2w": _generator(two)}
+                                        "relays2": _relays2(relays, lm),
+                                        "loop2": _loop2(loop, lm), "2w": _generator(two)}
         tokens: dict[str, list[int]] = {}
         for name, generate in systems.items():  # warm-up: every shape compiled
             tokens[name] = generate(ids, 8)[0]
@@ -311,6 +432,8 @@ def run(opts: Any) -> list[dict[str, Any]]:
         what = {"single": "one stage in this process (InProcessPipeline)",
                 "inproc2": "the 2 stages in this process, one after the other",
                 "relays2": "the 2 stages in 2 relay processes, blocking sockets, frame codec",
+                "loop2": "relays2 with the decode loop closed on the relays (relay 1 sends each "
+                         "token straight to relay 0)",
                 "2w": "jaxdist, Cluster.local(2)"}
         for name in systems:
             _common.emit(_common.record(
@@ -326,10 +449,16 @@ def run(opts: Any) -> list[dict[str, Any]]:
             tps["relays2"], tps["2w"] / tps["relays2"], "", None,
             note="jaxdist's 2 workers against the floor of 2 Python processes running the "
                  "same stages", **machine), records)
+        _common.emit(_common.record(
+            "decode_floor_loop2_over_relays2", tps["loop2"], "tok/s", "2 relay processes",
+            tps["relays2"], tps["loop2"] / tps["relays2"], "", None,
+            note="what closing the decode loop on the relays (2 transfers a token, no client "
+                 "in the loop) saves against the chain of 3", **machine), records)
     return records
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_relay":
-        sys.exit(_relay_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+        sys.exit(_relay_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                             sys.argv[5] == "loop"))
     sys.exit(_common.cli(__doc__ or "", run))
