@@ -160,8 +160,10 @@ class Tokenizer:
             if self._template is None:
                 self._template = _compile_template(self.chat_template)
             context = {**self._special_tokens, **kwargs}
-            return self._template.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt, **context)
+            text: str = self._template.render(messages=messages,
+                                              add_generation_prompt=add_generation_prompt,
+                                              **context)
+            return text
         except jinja2.TemplateError as exc:
             raise SpecError(f"chat template of '{self.source}' failed: "
                             f"{type(exc).__name__}: {exc}") from exc

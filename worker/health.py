@@ -92,7 +92,7 @@ class WorkerHealth:
 
     @property
     def serving(self) -> bool:
-        return self.status == SERVING
+        return bool(self.status == SERVING)
 
     async def attach(self, server: grpc.aio.Server) -> None:
         """Serve ``grpc.health.v1`` on ``server`` (call it on its loop, before it starts); every
@@ -169,7 +169,7 @@ class WorkerHealth:
                 maximum_concurrent_rpcs=HEALTH_PORT_MAX_RPCS)
             health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
             try:
-                bound = server.add_insecure_port(where)
+                bound: int = server.add_insecure_port(where)
             except RuntimeError as exc:
                 raise TransportError(f"cannot listen on {where} (--health-listen): {exc}"
                                      ) from None

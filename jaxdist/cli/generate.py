@@ -131,8 +131,10 @@ def _prompt_ids(opts: argparse.Namespace, tok: Any, name: str) -> list[int]:
             raise SpecError("--prompt -: stdin held no text")
     if opts.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}])
-        return tok.encode(text, add_special_tokens=False)
-    return tok.encode(text)
+        ids: list[int] = tok.encode(text, add_special_tokens=False)
+        return ids
+    ids = tok.encode(text)
+    return ids
 
 
 @dataclass

@@ -31,7 +31,7 @@ _INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
 def _as_json(msg: Message) -> dict[str, Any]:
     """The message as JSON, with 64-bit integers as numbers (proto3 JSON writes them as strings,
     for JavaScript; byte counts read better as numbers, and Python's json is exact)."""
-    out = MessageToDict(msg, preserving_proto_field_name=True)
+    out: dict[str, Any] = MessageToDict(msg, preserving_proto_field_name=True)
 
     def fix(d: dict[str, Any], desc: Any) -> None:
         for f in desc.fields:

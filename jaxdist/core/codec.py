@@ -454,7 +454,8 @@ def decode_tensors(msgs: Iterable[pb.Tensor], **limits: int | None) -> dict[str,
 
 def to_bytes(name: str, array: Any) -> bytes:
     """Serialize one tensor to a self-describing byte string (a ``Tensor`` message)."""
-    return encode(name, array, chunk_bytes=1 << 62)[0].SerializeToString()
+    data: bytes = encode(name, array, chunk_bytes=1 << 62)[0].SerializeToString()
+    return data
 
 
 def from_bytes(data: bytes) -> tuple[str, np.ndarray]:

@@ -130,7 +130,9 @@ def _nbytes(x: Any) -> int:
     """An array's bytes; for a ``jax.Array`` from its shape (its ``nbytes`` costs ~4x that)."""
     if isinstance(x, np.ndarray):
         return x.nbytes
-    return math.prod(x.shape) * x.dtype.itemsize
+    shape: tuple[int, ...] = x.shape
+    itemsize: int = x.dtype.itemsize
+    return math.prod(shape) * itemsize
 
 
 def _to_host(outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -291,7 +291,8 @@ class StageSpec:
     def serialize(self) -> bytes:
         """Wire bytes. Deterministic: a bucket's map entries are written sorted by key (upb's
         own map order varies between runs)."""
-        return self.to_proto().SerializeToString(deterministic=True)
+        data: bytes = self.to_proto().SerializeToString(deterministic=True)
+        return data
 
     @classmethod
     def deserialize(cls, data: bytes) -> StageSpec:

@@ -242,7 +242,8 @@ class LocalStore:
                                 code="NOT_FOUND")
         sidecar = path.with_name(path.name + ".json")
         try:
-            return json.loads(sidecar.read_text())
+            meta: dict[str, Any] = json.loads(sidecar.read_text())
+            return meta
         except FileNotFoundError:
             return None
         except (ValueError, UnicodeDecodeError) as exc:

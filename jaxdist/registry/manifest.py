@@ -127,7 +127,8 @@ def _spec_to_json(spec: StageSpec) -> dict[str, Any]:
     msg = spec.to_proto()
     for name in PLACEMENT_FIELDS:
         msg.ClearField(name)
-    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    out: dict[str, Any] = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    return out
 
 
 def _spec_from_json(d: Mapping[str, Any]) -> StageSpec:

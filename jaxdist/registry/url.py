@@ -52,7 +52,8 @@ def _filesystem(url: str) -> tuple[Any, str]:
         raise ArtifactError(f"registry {url}: URL registries need fsspec (pip install fsspec)"
                             ) from None
     try:
-        return fsspec.core.url_to_fs(url)
+        fs_path: tuple[Any, str] = fsspec.core.url_to_fs(url)
+        return fs_path
     except (ImportError, ValueError) as exc:
         scheme = url.partition("://")[0]
         hint = {"http": "aiohttp", "https": "aiohttp", "s3": "s3fs", "gs": "gcsfs",
@@ -236,14 +237,15 @@ class UrlRegistry:
                 return None
             raise
         try:
-            return json.loads(text)
+            meta: dict[str, Any] = json.loads(text)
+            return meta
         except ValueError as exc:
             raise ArtifactError(f"metadata of artifact {digest} at {self.url}/{rel}.json is not "
                                 f"valid JSON: {exc}") from None
 
     def _find(self, rel_dir: str) -> dict[str, Mapping[str, Any]]:
         try:
-            found = self.fs.find(self._path(rel_dir), detail=True)
+            found: dict[str, Mapping[str, Any]] = self.fs.find(self._path(rel_dir), detail=True)
         except FileNotFoundError:
             return {}
         except (OSError, NotImplementedError) as exc:

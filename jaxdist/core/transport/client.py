@@ -58,7 +58,8 @@ class Call(Generic[T]):
 
     def result(self) -> T:
         try:
-            return self._future.result()
+            result: T = self._future.result()
+            return result
         except grpc.FutureCancelledError:
             raise TransportError(f"worker {self._client.address}: {self._what}: cancelled"
                                  ) from None
@@ -159,11 +160,13 @@ class WorkerClient:
         # It answered: it became reachable just now.
 
     def info(self, timeout: float | None = None) -> pb.InfoReply:
-        return self._call("Info", self.stub.Info, pb.InfoRequest(), timeout)
+        reply: pb.InfoReply = self._call("Info", self.stub.Info, pb.InfoRequest(), timeout)
+        return reply
 
     def has_artifact(self, digest: str) -> bool:
-        return self._call("HasArtifact", self.stub.HasArtifact,
-                          pb.ArtifactQuery(digest=digest)).present
+        present: bool = self._call("HasArtifact", self.stub.HasArtifact,
+                                   pb.ArtifactQuery(digest=digest)).present
+        return present
 
     def upload_artifact(self, digest: str, data: bytes, timeout: float = 300.0) -> pb.UploadReply:
         return self.start_upload_artifact(digest, data, timeout).result()
@@ -194,8 +197,9 @@ class WorkerClient:
                            timeout)
 
     def unload_stage(self, stage_id: str, timeout: float | None = None) -> bool:
-        return self._call("UnloadStage", self.stub.UnloadStage,
-                          pb.UnloadStageRequest(stage_id=stage_id), timeout).unloaded
+        unloaded: bool = self._call("UnloadStage", self.stub.UnloadStage,
+                                    pb.UnloadStageRequest(stage_id=stage_id), timeout).unloaded
+        return unloaded
 
     def describe_weights(self, path: str) -> tuple[list[pb.WeightInfo], dict[str, Any]]:
         reply = self._call(f"DescribeWeights({path})", self.stub.DescribeWeights,
@@ -204,9 +208,10 @@ class WorkerClient:
 
     def end_session(self, pipeline_id: str, session_id: str, key: bytes = b""
                     ) -> pb.EndSessionReply:
-        return self._call("EndSession", self.stub.EndSession,
-                          pb.EndSessionRequest(pipeline_id=pipeline_id, session_id=session_id,
-                                               pipeline_key=key))
+        reply: pb.EndSessionReply = self._call(
+            "EndSession", self.stub.EndSession,
+            pb.EndSessionRequest(pipeline_id=pipeline_id, session_id=session_id, pipeline_key=key))
+        return reply
 
     def sender(self, on_error: Callable[[TransportError], None] | None = None,
                max_pending: int = 64) -> FrameSender:

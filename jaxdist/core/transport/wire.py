@@ -81,7 +81,8 @@ def parse_request(cls: type[M], data: bytes) -> M:
         CodecError: the bytes are not a ``cls`` message.
     """
     try:
-        return cls.FromString(data)
+        msg: M = cls.FromString(data)
+        return msg
     except DecodeError as exc:
         raise CodecError(f"malformed {cls.DESCRIPTOR.name} ({len(data)} bytes): {exc}") from None
 

@@ -446,7 +446,8 @@ class WeightCache:
             stored = self._stored(loc).reshape(packed_shape(qtype, shape))
 
             def block(i: int, j: int) -> np.ndarray:
-                return dequantize(stored[i:j], qtype, (j - i, *shape[1:]))
+                rows: np.ndarray = dequantize(stored[i:j], qtype, (j - i, *shape[1:]))
+                return rows
         else:  # plain types: a view of the file; the rare gguf.quants types: whole, at once
             stored = self._natural(loc, shape, dt)
             check_cast(stored.dtype, dt, where)

@@ -28,7 +28,8 @@ def as_dtype(dtype: Any, where: str) -> np.dtype[Any]:
     if dtype is None:
         raise WeightError(f"{where}: no dtype given; expected a dtype name such as 'float32'")
     try:
-        return np.dtype(dtype)
+        found: np.dtype[Any] = np.dtype(dtype)
+        return found
     except TypeError:
         extra = getattr(ml_dtypes, dtype, None) if isinstance(dtype, str) else None
         if isinstance(extra, type) and issubclass(extra, np.generic):

@@ -182,7 +182,7 @@ class _Parser:
         if scalar is not None:
             dtype = scalar[1]
             self.need(count * dtype.itemsize, f"the {count} {_V(itype).name} elements of {what}")
-            values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
+            values: list[Any] = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
             self.pos += count * dtype.itemsize
             return values
         if itype == _V.STRING:
@@ -358,7 +358,8 @@ class GGUFFile:
         raw = self.stored_bytes(name)
         if info.quant in quant.PACKABLE_TYPES:
             logger.debug("dequantizing %s (%s) with jaxdist.core.quant", name, info.quant)
-            return quant.dequantize(raw, info.quant, info.shape)
+            out: np.ndarray = quant.dequantize(raw, info.quant, info.shape)
+            return out
         logger.debug("dequantizing %s (%s) with gguf.quants (no in-graph path)", name, info.quant)
         try:
             rows = raw.reshape(quant.packed_shape(info.quant, info.shape))
