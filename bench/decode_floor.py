@@ -194,11 +194,12 @@ def _loop_last(stage: Any, up: socket.socket, feedback: socket.socket,
             state, tokens, ends = stage.init_state(), [], []
         out, state = _run(stage, tensors, state)
         reply = FrameHeader(header.pipeline_id, header.session_id, header.step, 2)
-        if header.step + 1 < _loop_tokens(header.session_id)[0]:
+        last = header.step + 1 == _loop_tokens(header.session_id)[0]
+        if not last:
             _send(feedback, reply, out)
         tokens.append(_first_token(out))
         ends.append(time.perf_counter())
-        if header.step + 1 == _loop_tokens(header.session_id)[0]:
+        if last:
             _send(down, reply, {"tokens": np.asarray(tokens, np.int64),
                                 "ends": np.asarray(ends, np.float64)})
 
@@ -305,8 +306,6 @@ def _first_token(outputs: dict[str, Any]) -> int:
 
 
 def _inproc2(stages: Sequence[Any], lm: Any) -> Generate:
-    import numpy as np
-
     states: list[Any] = [None, None]
 
     def step(x: dict[str, Any], n: int) -> int:
@@ -314,9 +313,8 @@ def _inproc2(stages: Sequence[Any], lm: Any) -> Generate:
         for k, stage in enumerate(stages):
             if n == 0:
                 states[k] = stage.init_state()
-            inputs = {s.name: tensors[s.name] for s in stage.spec.inputs}
-            outputs, states[k] = stage.run(inputs, states[k])
-            tensors.update({name: np.asarray(v) for name, v in outputs.items()})
+            outputs, states[k] = _run(stage, tensors, states[k])
+            tensors.update(outputs)
         return _first_token(outputs)
 
     return _steps_loop(step, lm)

@@ -268,7 +268,7 @@ def _read_syscalls() -> int:
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
-def test_kernel_calls_make_no_system_calls(matmul) -> None:
+def test_kernel_calls_read_no_files(matmul) -> None:
     # A kernel call once asked glibc for the number of cores, which reads
     # /sys/devices/system/cpu/online: about a hundred reads per SmolLM2 decode step.
     rng = np.random.default_rng(3)
