@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,12 +47,13 @@ class WorkerProcess:
     log_path: str
 
     def stop(self) -> int:
-        """SIGTERM, then the exit status. A worker still running after 60 s is asked for its
-        threads' stacks (SIGUSR1), killed, and reported with the end of its log."""
+        """SIGTERM, then the exit status; after a clean exit its temporary directory is removed.
+        A worker still running after 60 s is asked for its threads' stacks (SIGUSR1), killed,
+        and reported with the end of its log."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout=60)
+            code = self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.send_signal(signal.SIGUSR1)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -61,6 +63,9 @@ class WorkerProcess:
             with open(self.log_path) as f:
                 raise AssertionError(f"worker did not exit 60 s after SIGTERM; its log ends:\n"
                                      f"{f.read()[-8000:]}") from None
+        if code == 0:
+            shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
+        return code
 
 
 def start_worker(*args: str, timeout: float = 120.0) -> WorkerProcess:

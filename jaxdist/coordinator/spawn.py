@@ -3,20 +3,27 @@
 Each worker is a real ``python -m jaxdist.worker`` process listening on ``127.0.0.1:0``; we read
 the address from the one line it prints when ready. Teardown sends SIGTERM (the worker drains
 and exits 0) and SIGKILLs a worker that does not exit in time.
+
+The workers of one :func:`spawn_workers` call write their logs (and, by default, their shared
+artifact cache) into one temporary directory. It is removed once all of them have stopped; the
+log of a worker that did not exit cleanly is kept, and its path logged, so a crash can still be
+read after the cluster closes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxdist.core.errors import TransportError
 from jaxdist.core.transport.security import server_auth
@@ -27,14 +34,45 @@ __all__ = ["LocalWorker", "spawn_workers", "stop_workers"]
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
+class _Scratch:
+    """The temporary directory of one :func:`spawn_workers` call, and the workers that use it."""
+
+    path: str
+    owns_cache: bool  # the artifact cache is our ``artifacts`` subdirectory
+    workers: list[LocalWorker] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Remove the directory once every worker in it has stopped: the clean ones' logs and
+        our artifact cache; the logs of workers that did not exit cleanly stay."""
+        if any(w.process.returncode is None for w in self.workers):
+            return
+        kept = [w for w in self.workers if w.process.returncode != 0]
+        for w in self.workers:
+            if w not in kept:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(w.log_path)
+        if self.owns_cache:
+            shutil.rmtree(os.path.join(self.path, "artifacts"), ignore_errors=True)
+        if kept:
+            for w in kept:
+                log.warning("local worker pid %d exited with status %s; its log is kept at %s",
+                            w.pid, w.process.returncode, w.log_path)
+            return
+        with contextlib.suppress(OSError):  # not empty: someone else wrote there
+            os.rmdir(self.path)
+
+
+@dataclass(eq=False)
 class LocalWorker:
-    """A worker subprocess and where it listens."""
+    """A worker subprocess and where it listens. ``log_path`` is its stderr; the file is
+    removed when the worker exits cleanly and every worker started with it has stopped."""
 
     process: subprocess.Popen[str]
     address: str
     device: str
     log_path: str
+    _scratch: _Scratch | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
@@ -126,21 +164,25 @@ def spawn_workers(n: int, *, weights_roots: Sequence[str] = (), device: str = "c
             log_path = os.path.join(logdir, f"worker-{i}.log")
             cpu = pin_cpus[i] if pin_cpus is not None else None
             started.append((_start(args, full_env, log_path, cpu), log_path))
-        workers = []
+        scratch = _Scratch(logdir, owns_cache=artifact_cache is None)
         for proc, log_path in started:
             address, dev = _wait_ready(proc, log_path, timeout)
-            workers.append(LocalWorker(proc, address, dev, log_path))
+            scratch.workers.append(LocalWorker(proc, address, dev, log_path, scratch))
             log.info("local worker pid %d on %s (%s)", proc.pid, address, dev)
-        return workers
-    except BaseException:
+        return list(scratch.workers)
+    except BaseException:  # the logs stay: the error names the one that explains it
         for proc, _ in started:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
+        if artifact_cache is None:
+            shutil.rmtree(cache, ignore_errors=True)
         raise
 
 
 def stop_workers(workers: Sequence[LocalWorker], timeout: float = 20.0) -> None:
-    """SIGTERM every worker, wait, SIGKILL stragglers."""
+    """SIGTERM every worker, wait, SIGKILL stragglers; then remove the temporary directory of
+    every spawn whose workers have all stopped (see the module's docstring)."""
     for w in workers:
         if w.alive():
             try:
@@ -165,3 +207,5 @@ def stop_workers(workers: Sequence[LocalWorker], timeout: float = 20.0) -> None:
             w.process.wait()
         if w.process.stdout is not None:
             w.process.stdout.close()
+    for scratch in {w._scratch for w in workers if w._scratch is not None}:
+        scratch.release()
