@@ -8,6 +8,7 @@ import importlib
 import inspect
 import os
 import pathlib
+import tempfile
 
 import jax
 import numpy as np
@@ -25,7 +26,8 @@ def test_all_is_the_facade() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_public_name_has_a_running_example(name: str, tmp_path: pathlib.Path) -> None:
+def test_public_name_has_a_running_example(name: str, tmp_path: pathlib.Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     obj = getattr(jaxdist, name)
     doc = inspect.getdoc(obj) or ""
     assert ">>>" in doc, f"jaxdist.{name} has no example in its docstring"
@@ -35,6 +37,8 @@ def test_public_name_has_a_running_example(name: str, tmp_path: pathlib.Path) ->
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     cwd = os.getcwd()
     os.chdir(tmp_path)  # an example that writes a file writes it here
+    # ... and its tempfile.mkdtemp() too: a reader's example need not clean up after itself.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     try:
         for test in tests:
             runner.run(test)
