@@ -4,6 +4,9 @@ by jaxlib version and device, makes the second start compile faster."""
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import jaxlib
@@ -80,3 +83,39 @@ def test_second_start_compiles_faster(restarts: dict[str, Any]) -> None:
 def test_host_cpu_fingerprint_is_stable() -> None:
     fp = host_cpu_fingerprint()
     assert fp == host_cpu_fingerprint() and len(fp) == 8 and int(fp, 16) >= 0
+
+
+_COMPILE = """
+import sys
+import jax
+import numpy as np
+from jaxdist.core.config import configure_compilation_cache
+configure_compilation_cache(sys.argv[1], "cpu", max_bytes=int(sys.argv[2]))
+for i in range(int(sys.argv[3]), int(sys.argv[4])):  # one cache entry each
+    jax.jit(lambda x, i=i: x * i + i)(np.ones(8, np.float32)).block_until_ready()
+"""
+
+
+def _compile(root: pathlib.Path, max_bytes: int, first: int, end: int) -> str:
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(root), str(max_bytes),
+                           str(first), str(end)], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_a_bounded_compilation_cache_keeps_within_its_bytes(tmp_path: pathlib.Path) -> None:
+    """--max-compilation-cache-bytes, also over entries that an unbounded process wrote (JAX's
+    eviction fails on those unless they are dated first)."""
+    _compile(tmp_path, 0, 0, 4)  # no bound: 4 entries
+    (directory,) = (tmp_path / f"jaxlib-{jaxlib.__version__}").iterdir()
+    entries = sorted(directory.glob("*-cache"))
+    assert len(entries) == 4
+    size = max(p.stat().st_size for p in entries)
+    bound = int(2.5 * size)
+    stderr = _compile(tmp_path, bound, 4, 8)
+    assert "Error writing persistent compilation cache entry" not in stderr, stderr
+    assert "Error reading persistent compilation cache entry" not in stderr, stderr
+    left = sorted(directory.glob("*-cache"))
+    assert sum(p.stat().st_size for p in left) <= bound
+    assert 1 <= len(left) <= 2 and not set(left) & set(entries)  # the oldest went first

@@ -304,7 +304,10 @@ def test_idle_session_is_reclaimed_and_says_so(mlp_root):
 
 def test_error_bad_limit_flag_values():
     for args, text in ((["--max-frame-bytes", "12X"], "expected a size in bytes"),
-                       (["--max-sessions", "0"], "--max-sessions must be >= 1, got 0")):
+                       (["--max-sessions", "0"], "--max-sessions must be >= 1, got 0"),
+                       (["--max-artifact-bytes", "2M", "--max-artifact-cache-bytes", "1M"],
+                        "--max-artifact-cache-bytes (1000000) must be 0 (no bound) or >= "
+                        "--max-artifact-bytes (2000000)")):
         proc = subprocess.run([sys.executable, "-m", "jaxdist.worker", "--listen",
                                "127.0.0.1:0", *args], capture_output=True, text=True,
                               timeout=120, check=False)

@@ -121,6 +121,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache ('off' to disable; default "
                         "$JAXDIST_COMPILATION_CACHE or ~/.cache/jaxdist/xla)")
+    p.add_argument("--max-artifact-cache-bytes", type=_size, default=4 << 30, metavar="SIZE",
+                   help="bytes of artifacts kept in --artifact-cache; storing one past it "
+                        "deletes the least recently used, never a loaded stage's; 0: no bound "
+                        "(default %(default)s)")
+    p.add_argument("--max-compilation-cache-bytes", type=_size,
+                   default=jd_config.DEFAULT_COMPILATION_CACHE_BYTES,
+                   metavar="SIZE",
+                   help="bytes of compiled executables kept in --compilation-cache (JAX "
+                        "deletes the least recently used past it); 0: no bound "
+                        "(default %(default)s)")
     limits = p.add_argument_group("limits", "exceeding one is RESOURCE_EXHAUSTED, naming the "
                                   "limit (see SECURITY.md); SIZE is bytes, or 512M, 4G, 1GiB ...")
     limits.add_argument("--max-sessions", type=int, default=64, metavar="N",
@@ -250,6 +260,16 @@ def main(argv: list[str] | None = None) -> int:
               f"--max-frame-bytes ({opts.max_frame_bytes}), or no frame of the largest size "
               f"could be received", file=sys.stderr)
         return 2
+    if 0 < opts.max_artifact_cache_bytes < opts.max_artifact_bytes:
+        print(f"jaxdist-worker: --max-artifact-cache-bytes ({opts.max_artifact_cache_bytes}) "
+              f"must be 0 (no bound) or >= --max-artifact-bytes ({opts.max_artifact_bytes}), "
+              f"or an artifact of the largest size could not stay in the cache",
+              file=sys.stderr)
+        return 2
+    if opts.max_compilation_cache_bytes < 0 or opts.max_artifact_cache_bytes < 0:
+        print("jaxdist-worker: --max-artifact-cache-bytes and --max-compilation-cache-bytes "
+              "must be >= 0 (0: no bound)", file=sys.stderr)
+        return 2
     if opts.max_upload_bytes < opts.max_artifact_bytes:
         print(f"jaxdist-worker: --max-upload-bytes ({opts.max_upload_bytes}) must be >= "
               f"--max-artifact-bytes ({opts.max_artifact_bytes}), or no artifact of the largest "
@@ -265,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                  "tls_key": opts.tls_key, "tls_ca": opts.tls_ca}
         auth = security.server_auth(**files)
         config = WorkerConfig(weights_roots=opts.weights_root, artifact_cache=opts.artifact_cache,
+                              max_artifact_cache_bytes=opts.max_artifact_cache_bytes,
                               device=opts.device, max_sessions=opts.max_sessions,
                               session_idle_timeout=opts.session_idle_timeout,
                               max_kv_bytes=opts.max_kv_bytes,
@@ -314,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         servicer.close()
         servicer.health.close()
         return 2
-    jd_config.configure_compilation_cache(cache_dir, servicer.device.device_kind)
+    jd_config.configure_compilation_cache(cache_dir, servicer.device.device_kind,
+                                          max_bytes=opts.max_compilation_cache_bytes)
     warning = security.exposure_warning(opts.listen.rpartition(":")[0], auth)
     if warning is None and servicer.data_port:
         warning = security.exposure_warning(data_listen.rpartition(":")[0], auth)

@@ -24,6 +24,8 @@ class WorkerConfig:
 
     weights_roots: Sequence[str] = ()                 # weight URIs resolve only under these
     artifact_cache: str = ""                          # on-disk artifact store (survives restarts)
+    max_artifact_cache_bytes: int = 4 << 30           # its bytes; least recently used go first
+    #                                                   (worker/artifact_cache.py); 0: no bound
     device: str = "auto"                              # which devices this worker offers
     # Limits (SECURITY.md, "Limits and their defaults"); exceeding one is RESOURCE_EXHAUSTED.
     max_sessions: int = 64                            # sessions held at once; more are refused

@@ -40,7 +40,6 @@ from jaxdist.core.runtime import StageRuntime, remote_error
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.spec import SPEC_VERSION, StageSpec, validate
 from jaxdist.core.stage import WorkerStage
-from jaxdist.core.store import LocalStore
 from jaxdist.core.transport import status, wire
 from jaxdist.core.transport.frames import FrameView
 from jaxdist.core.transport.trust import check_hop
@@ -48,6 +47,7 @@ from jaxdist.core.weights import WeightCache
 from jaxdist.core.weights.uri import clip
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
+from jaxdist.worker.artifact_cache import ArtifactCache
 from jaxdist.worker.config import WorkerConfig
 from jaxdist.worker.health import WorkerHealth
 from jaxdist.worker.ingress import FrameIngress
@@ -125,7 +125,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.data_port = 0  # the data port (worker/data_listener.py), set by server.py; 0: off
         self.started = time.monotonic()
         self.cache = WeightCache(config.weights_roots)
-        self.registry = LocalStore(config.artifact_cache)
+        self.registry = ArtifactCache(config.artifact_cache,
+                                      max_bytes=config.max_artifact_cache_bytes,
+                                      in_use=self._artifacts_in_use)
         self.hub = Hub(config.max_subscriber_events, config.max_subscriber_bytes)
         self.peers = PeerPool(config.peer_auth, config.peer_trust)
         self._all_devices = list(config.devices) if config.devices is not None else None
@@ -181,6 +183,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def runtimes(self) -> list[StageRuntime]:
         """The loaded stages, as they are now (the metrics read them)."""
         return self.pipelines.runtimes()
+
+    def _artifacts_in_use(self) -> set[str]:
+        """The loaded stages' artifacts: the artifact cache never deletes them."""
+        return {rt.spec.artifact_digest for rt in self.pipelines.runtimes()}
 
     # -- control plane ----------------------------------------------------------------------
 

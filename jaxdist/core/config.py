@@ -19,8 +19,8 @@ import re
 import jax
 import jaxlib
 
-__all__ = ["configure_compilation_cache", "default_artifact_cache", "default_compilation_cache",
-           "host_cpu_fingerprint"]
+__all__ = ["DEFAULT_COMPILATION_CACHE_BYTES", "configure_compilation_cache",
+           "default_artifact_cache", "default_compilation_cache", "host_cpu_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,29 @@ def host_cpu_fingerprint() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-def configure_compilation_cache(directory: str | os.PathLike[str] | None, device_kind: str = ""
+# JAX's LRU cache (jax/_src/lru_cache.py, jax 0.4.36 to 0.10) keeps KEY-cache files, and, when
+# it has a bound, KEY-atime files: the last use, time.time_ns() as 8 little-endian bytes. Entries
+# written without a bound have no atime file, and its eviction fails on them (every later put
+# then fails with a warning), so a directory that an unbounded process wrote is dated first.
+_CACHE_SUFFIX, _ATIME_SUFFIX = "-cache", "-atime"
+
+DEFAULT_COMPILATION_CACHE_BYTES = 4 << 30  # the worker's --max-compilation-cache-bytes
+
+
+def _date_undated_entries(path: pathlib.Path) -> None:
+    """Give each entry of a compilation cache directory without a last-use time its write time."""
+    for entry in path.glob(f"*{_CACHE_SUFFIX}"):
+        atime = entry.with_name(entry.name.removesuffix(_CACHE_SUFFIX) + _ATIME_SUFFIX)
+        if not atime.exists():
+            try:
+                atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+            except OSError as exc:  # a read-only cache: JAX's own puts will say so
+                log.warning("compilation cache %s: cannot date the entry %s: %s", path,
+                            entry.name, exc)
+
+
+def configure_compilation_cache(directory: str | os.PathLike[str] | None, device_kind: str = "",
+                                *, max_bytes: int = DEFAULT_COMPILATION_CACHE_BYTES
                                 ) -> pathlib.Path | None:
     """Turn on JAX's persistent compilation cache under ``directory``.
 
@@ -72,6 +94,9 @@ def configure_compilation_cache(directory: str | os.PathLike[str] | None, device
     Args:
         directory: cache root, or ``None`` to leave the cache off.
         device_kind: e.g. ``"cpu"`` or ``"NVIDIA H100"``; part of the subdirectory name.
+        max_bytes: the bound on the directory's bytes, past which JAX deletes the least
+            recently used executables (``jax_compilation_cache_max_size``); ``0``: no bound.
+            Processes that share a directory should all bound it (see ``_ATIME_SUFFIX``).
 
     Returns:
         The directory actually used, or ``None``.
@@ -87,5 +112,9 @@ def configure_compilation_cache(directory: str | os.PathLike[str] | None, device
     # Cache every executable: stage compiles are few and each restart should be warm.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    log.info("persistent compilation cache at %s", path)
+    if max_bytes > 0:
+        _date_undated_entries(path)
+    jax.config.update("jax_compilation_cache_max_size", max_bytes if max_bytes > 0 else -1)
+    log.info("persistent compilation cache at %s (%s)", path,
+             f"at most {max_bytes} bytes" if max_bytes > 0 else "no bound")
     return path

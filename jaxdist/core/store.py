@@ -23,13 +23,14 @@ Example:
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -275,3 +276,35 @@ class LocalStore:
                                 code="NOT_FOUND") from None
         path.with_name(path.name + ".json").unlink(missing_ok=True)
         logger.info("deleted artifact %s from %s", digest, self.root)
+
+    def touch(self, digest: str) -> None:
+        """Mark ``digest`` as just used (its file's modification time), for :meth:`prune`.
+        A missing artifact, or a store that cannot be written, is left as it is.
+
+        Raises:
+            ArtifactError: the digest is malformed.
+        """
+        with contextlib.suppress(OSError):
+            os.utime(self._path(hex_of(digest)))
+
+    def prune(self, max_bytes: int, keep: Collection[str] = ()) -> builtins.list[ArtifactEntry]:
+        """Delete the least recently used artifacts (the oldest modification time first, see
+        :meth:`touch`) until those left hold at most ``max_bytes``; never one in ``keep``.
+
+        Returns:
+            The deleted artifacts, oldest first. Those in ``keep`` may leave the store above
+            ``max_bytes``.
+        """
+        entries = sorted(self.list(), key=lambda e: (e.mtime, e.digest))
+        total = sum(e.size for e in entries)
+        gone = []
+        for e in entries:
+            if total <= max_bytes:
+                break
+            if e.digest in keep:
+                continue
+            with contextlib.suppress(ArtifactError):  # deleted meanwhile: gone all the same
+                self.delete(e.digest)
+            total -= e.size
+            gone.append(e)
+        return gone
