@@ -49,7 +49,10 @@ def test_least_recently_used_artifacts_go_past_the_bound(cluster: Cluster,
     assert client.has_artifact(b)  # asked for again: now more recent than c
     d = _upload(cluster, 4)
     assert [client.has_artifact(x) for x in (b, c, d)] == [True, False, True]
-    assert _cached_bytes(tmp_path / "cache") <= BOUND
+    held = _cached_bytes(tmp_path / "cache")
+    assert held <= BOUND
+    info = client.info()  # what jaxdist status shows
+    assert (info.artifact_cache_bytes, info.artifact_cache_max_bytes) == (held, BOUND)
     log = pathlib.Path(cluster.local_workers[0].log_path).read_text()
     assert (f"over --max-artifact-cache-bytes={BOUND}, deleted the least recently used: {a} "
             f"({BLOB} bytes)") in log

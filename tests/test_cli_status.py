@@ -32,6 +32,8 @@ def test_status_table_and_json(cluster3: Cluster, tmp_path: pathlib.Path) -> Non
         assert stage["weight_bytes"] == 2 * 32 * 32 * 4  # a number, not proto3 JSON's string
         assert isinstance(reply["rss_bytes"], int)
         assert pub.manifest.digests[k] in reply["artifacts"]
+        assert int(reply["artifact_cache_bytes"]) >= len(pub.registry.get(pub.manifest.digests[k]))
+        assert int(reply["artifact_cache_max_bytes"]) == 4 << 30  # the worker's default bound
     blocks: dict[str, list[str]] = {}  # worker address -> its lines
     for line in table.stdout.splitlines():
         if not line.startswith(" "):
@@ -41,6 +43,8 @@ def test_status_table_and_json(cluster3: Cluster, tmp_path: pathlib.Path) -> Non
     assert list(blocks) == cluster3.addresses[:2]
     for k, lines in enumerate(blocks.values()):
         assert "uptime=" in lines[0] and "device=cpu:0" in lines[0]
+        (cache,) = [line for line in lines if "artifacts cached: " in line]
+        assert " of 4.0 GB); " in cache, cache
         (row,) = [line for line in lines if pipe.pipeline_id in line]
         assert row.split()[1] == str(k) and "status-mlp" in row
         assert pub.manifest.digests[k][:19] in row

@@ -4,6 +4,7 @@ prometheus_client's own parser."""
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import urllib.request
@@ -69,6 +70,9 @@ def test_metrics_move_with_frames_and_vanish_on_unload(worker: WorkerProcess, ml
     assert before.value("stages") == 0 and before.value("sessions") == 0
     assert before.value("max_sessions") == 8
     assert before.value("state_bytes") == 0
+    assert before.value("artifact_cache_bytes") == 0  # a fresh --artifact-cache
+    assert before.value("max_artifact_cache_bytes") == 4 << 30
+    assert before.value("artifact_cache_deleted_total") == 0
     assert before.pipelines() == set()
     assert "process_resident_memory_bytes" in before.samples
 
@@ -86,6 +90,9 @@ def test_metrics_move_with_frames_and_vanish_on_unload(worker: WorkerProcess, ml
         assert loaded.value("stage_info", **m, model="mlp") == 1
         assert loaded.value("stage_weight_bytes", **m) == 4 * D * D * 4  # four f32 (D, D)
         assert loaded.value("stage_compiled_shapes", **m) == 1  # its bucket {b: 4}, at load
+        cache = pathlib.Path(worker.log_path).parent / "artifacts" / "sha256"
+        on_disk = sum(p.stat().st_size for p in cache.glob("??/*") if len(p.name) == 64)
+        assert loaded.value("artifact_cache_bytes") == on_disk > 0  # the two stages' artifacts
 
         # A session of three steps of the accumulator, of one shape: compiled once, then hits.
         xs = [np.full((2, 4), i, np.float32) for i in range(3)]

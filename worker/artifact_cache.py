@@ -40,6 +40,7 @@ class ArtifactCache(LocalStore):
         self.max_bytes = max_bytes
         self._in_use = in_use
         self._lock = threading.Lock()  # one prune at a time: each lists the whole cache
+        self.deleted = 0  # artifacts deleted to stay within max_bytes, since start
 
     def put(self, data: bytes, meta: Mapping[str, Any] | None = None) -> str:
         digest = super().put(data, meta)
@@ -62,6 +63,7 @@ class ArtifactCache(LocalStore):
         with self._lock:
             keep = {stored, *self._in_use()}
             gone = self.prune(self.max_bytes, keep)
+            self.deleted += len(gone)
             if gone:
                 log.info("artifact cache %s: over --max-artifact-cache-bytes=%d, deleted the "
                          "least recently used: %s (%d bytes)", self.root, self.max_bytes,

@@ -16,6 +16,9 @@ measured, units last::
     jaxdist:worker_max_sessions                  --max-sessions
     jaxdist:worker_state_bytes                   session state (KV cache) held, all stages
     jaxdist:worker_max_state_bytes               --max-kv-bytes (0: no limit)
+    jaxdist:worker_artifact_cache_bytes          bytes of the artifacts in --artifact-cache
+    jaxdist:worker_max_artifact_cache_bytes      --max-artifact-cache-bytes (0: no bound)
+    jaxdist:worker_artifact_cache_deleted_total  artifacts deleted to stay within it
     jaxdist:worker_stage_info{pipeline_id, stage_index, stage_id, model, device}     1
     jaxdist:worker_stage_compute_seconds         histogram of step times (the step alone)
     jaxdist:worker_stage_frames_total            frames run and sent on
@@ -105,6 +108,15 @@ class WorkerCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "max_state_bytes", "Bytes of session state held at "
                                 "once at most (--max-kv-bytes); 0: no limit.",
                                 value=s.sessions.max_kv_bytes)
+        yield GaugeMetricFamily(PREFIX + "artifact_cache_bytes", "Bytes of the artifacts in "
+                                "the artifact cache (--artifact-cache).",
+                                value=sum(e.size for e in s.registry.list()))
+        yield GaugeMetricFamily(PREFIX + "max_artifact_cache_bytes", "Bytes of artifacts the "
+                                "cache keeps at most (--max-artifact-cache-bytes); 0: no bound.",
+                                value=s.registry.max_bytes)
+        yield CounterMetricFamily(PREFIX + "artifact_cache_deleted", "Artifacts deleted, the "
+                                  "least recently used first, to stay within "
+                                  "--max-artifact-cache-bytes.", value=s.registry.deleted)
 
         labels = list(STAGE_LABELS)
         stage_info = InfoMetricFamily(PREFIX + "stage", "A loaded stage: its id, model and "

@@ -193,6 +193,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @_rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         runtimes = self.pipelines.runtimes()
+        cached = self.registry.list()
         reply = pb.InfoReply(
             address=self.address, worker_version=jaxdist.__version__,
             versions=pb.Versions(spec=SPEC_VERSION, jax=jax.__version__,
@@ -202,7 +203,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sessions=len(self.sessions), max_sessions=self.config.max_sessions,
             rss_bytes=psutil.Process().memory_info().rss,
             uptime_s=time.monotonic() - self.started,
-            artifacts=[e.digest for e in self.registry.list()],
+            artifacts=[e.digest for e in cached],
+            artifact_cache_bytes=sum(e.size for e in cached),
+            artifact_cache_max_bytes=self.registry.max_bytes,
             min_serialization_version=artifacts.min_serialization_version(),
             max_serialization_version=artifacts.max_serialization_version(),
             kernels=pb.KernelInfo(version=self.kernels.version, types=self.kernels.types,

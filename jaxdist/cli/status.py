@@ -84,8 +84,10 @@ def run(opts: argparse.Namespace) -> int:
         if mem is not None and mem.memory_total:
             print(f"  memory: {fmt_bytes(mem.memory_free)} free of {fmt_bytes(mem.memory_total)};"
                   f" worker RSS {fmt_bytes(r.rss_bytes)}")
-        print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)}; "
-              f"data port: {r.data_port or 'off'}"
+        bound = (f" of {fmt_bytes(r.artifact_cache_max_bytes)}" if r.artifact_cache_max_bytes
+                 else ", no bound")
+        print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)} "
+              f"({fmt_bytes(r.artifact_cache_bytes)}{bound}); data port: {r.data_port or 'off'}"
               + (f"; uploads in progress: {fmt_bytes(r.upload_bytes)}" if r.upload_bytes else "")
               + (f"; frames being received: {fmt_bytes(r.inflight_bytes)}"
                  if r.inflight_bytes else "")

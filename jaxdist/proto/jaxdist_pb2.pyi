@@ -334,7 +334,7 @@ class KernelInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., types: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., threads: _Optional[int] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("address", "worker_version", "versions", "devices", "default_device", "stages", "sessions", "max_sessions", "rss_bytes", "uptime_s", "artifacts", "min_serialization_version", "max_serialization_version", "kernels", "loading", "data_port", "upload_bytes", "inflight_bytes", "streams")
+    __slots__ = ("address", "worker_version", "versions", "devices", "default_device", "stages", "sessions", "max_sessions", "rss_bytes", "uptime_s", "artifacts", "min_serialization_version", "max_serialization_version", "kernels", "loading", "data_port", "upload_bytes", "inflight_bytes", "streams", "artifact_cache_bytes", "artifact_cache_max_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +354,8 @@ class InfoReply(_message.Message):
     UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_CACHE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     worker_version: str
     versions: Versions
@@ -373,7 +375,9 @@ class InfoReply(_message.Message):
     upload_bytes: int
     inflight_bytes: int
     streams: int
-    def __init__(self, address: _Optional[str] = ..., worker_version: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., default_device: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[LoadedStage, _Mapping]]] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., artifacts: _Optional[_Iterable[str]] = ..., min_serialization_version: _Optional[int] = ..., max_serialization_version: _Optional[int] = ..., kernels: _Optional[_Union[KernelInfo, _Mapping]] = ..., loading: _Optional[_Iterable[_Union[StageLoading, _Mapping]]] = ..., data_port: _Optional[int] = ..., upload_bytes: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+    artifact_cache_bytes: int
+    artifact_cache_max_bytes: int
+    def __init__(self, address: _Optional[str] = ..., worker_version: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., default_device: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[LoadedStage, _Mapping]]] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., artifacts: _Optional[_Iterable[str]] = ..., min_serialization_version: _Optional[int] = ..., max_serialization_version: _Optional[int] = ..., kernels: _Optional[_Union[KernelInfo, _Mapping]] = ..., loading: _Optional[_Iterable[_Union[StageLoading, _Mapping]]] = ..., data_port: _Optional[int] = ..., upload_bytes: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., streams: _Optional[int] = ..., artifact_cache_bytes: _Optional[int] = ..., artifact_cache_max_bytes: _Optional[int] = ...) -> None: ...
 
 class ArtifactQuery(_message.Message):
     __slots__ = ("digest",)
