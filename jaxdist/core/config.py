@@ -57,10 +57,11 @@ def host_cpu_fingerprint() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-# JAX's LRU cache (jax/_src/lru_cache.py, jax 0.4.36 to 0.10) keeps KEY-cache files, and, when
+# JAX's LRU cache (jax/_src/lru_cache.py, read at jax 0.10.2) keeps KEY-cache files, and, when
 # it has a bound, KEY-atime files: the last use, time.time_ns() as 8 little-endian bytes. Entries
 # written without a bound have no atime file, and its eviction fails on them (every later put
 # then fails with a warning), so a directory that an unbounded process wrote is dated first.
+# tests/test_config.py (a bounded cache over an unbounded one's entries) fails if that changes.
 _CACHE_SUFFIX, _ATIME_SUFFIX = "-cache", "-atime"
 
 DEFAULT_COMPILATION_CACHE_BYTES = 4 << 30  # the worker's --max-compilation-cache-bytes
