@@ -1,12 +1,13 @@
 # Two commands on a fresh machine:
 #   make demo   set up .venv; SmolLM2 answers a prompt across 2 local workers
-#   make test   set up .venv (with the parity references) and run the test suite
+#   make test   set up .venv (with the parity references) and run the test suite (the fast tier)
+# make test-slow runs the slow tier (long variants, the full fuzz budget); CI runs both.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo demo-mlp test typecheck setup bench proto clean
+.PHONY: demo demo-mlp test test-slow typecheck setup bench proto clean
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +33,18 @@ demo: $(VENV)/.core
 demo-mlp: $(VENV)/.core
 	$(VENV)/bin/jaxdist demo
 
+# Test files run in parallel (pytest-xdist), each file whole in one process so its module
+# fixtures are built once; the 15 slowest tests are listed at the end of every run.
+TEST_JOBS ?= 2
+PYTEST    := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15
+FUZZ_SEED ?= 20261204
+
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	$(PYTEST) -m "not slow"
+
+test-slow: $(VENV)/.test
+	$(PYTEST) -m slow
+	JAXDIST_FUZZ_EXAMPLES=11000 JAXDIST_FUZZ_SEED=$(FUZZ_SEED) $(PYTEST) tests/test_fuzz.py -k fuzz
 
 typecheck: $(VENV)/.test
 	$(PY) scripts/typecheck.py

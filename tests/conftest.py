@@ -1,8 +1,15 @@
-"""Shared fixtures: small real weight files and real worker processes on loopback."""
+"""Shared fixtures: small real weight files and real worker processes on loopback.
+
+In CI (``CI=true``) a skipped test fails: every part the suite needs (torch and transformers,
+the CPU kernels, the model packages) must be installed there, so a skip means a broken set-up.
+The only skips CI takes are those no CI machine can run by nature (:data:`NATURAL_SKIPS`).
+"""
 
 from __future__ import annotations
 
+import os
 import pathlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -11,6 +18,40 @@ from safetensors.numpy import save_file
 from jaxdist.coordinator.cluster import Cluster
 
 D = 32  # width of the test MLP
+
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+# Skip reasons that say a test needs what no CI machine has (CI runs on 2 CPU cores, no GPU).
+NATURAL_SKIPS = ("needs an accelerator",)
+
+
+def _refused_skip(report: pytest.CollectReport | pytest.TestReport) -> str | None:
+    """The reason of a skip that CI must count as a failure, or ``None``."""
+    if not (IN_CI and report.skipped) or hasattr(report, "wasxfail"):
+        return None
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    return None if any(tag in reason for tag in NATURAL_SKIPS) else reason
+
+
+def _fail_refused_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    reason = _refused_skip(report)
+    if reason is not None:
+        report.outcome = "failed"
+        report.longrepr = (f"skipped in CI, where every part the suite needs is installed: "
+                           f"{reason}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    _fail_refused_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _fail_refused_skip(outcome.get_result())
 
 
 @pytest.fixture(scope="session")

@@ -34,11 +34,18 @@ def _q8(x: np.ndarray, width: int, f16_scale: bool) -> tuple[np.ndarray, np.ndar
     return (q * ds).reshape(m, k), d[..., 0], q.sum(axis=-1)
 
 
-def matmul(x: np.ndarray, blocks: np.ndarray, qtype: str) -> np.ndarray:
-    """``x @ W.T`` as ggml's CPU kernels compute it, for ``W`` GGML blocks (N, row_bytes)."""
-    t = _T[qtype]
-    w = gguf.quants.dequantize(blocks, t).astype(np.float64) if qtype != "F32" else \
-        blocks.view(np.float32).astype(np.float64)
+def dequantize(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """GGML blocks (N, row_bytes) as float64 rows, decoded by ``gguf.quants``."""
+    if qtype == "F32":
+        return blocks.view(np.float32).astype(np.float64)
+    return gguf.quants.dequantize(blocks, _T[qtype]).astype(np.float64)
+
+
+def matmul(x: np.ndarray, blocks: np.ndarray, qtype: str,
+           w: np.ndarray | None = None) -> np.ndarray:
+    """``x @ W.T`` as ggml's CPU kernels compute it, for ``W`` GGML blocks (N, row_bytes);
+    ``w``: ``dequantize(blocks, qtype)`` when the caller has it already."""
+    w = dequantize(blocks, qtype) if w is None else w
     if qtype == "F32":
         return x.astype(np.float64) @ w.T
     if qtype == "F16":
@@ -74,6 +81,7 @@ class QuantLlama:
         self.hd = self.d // self.n_heads
         self.theta = self._float("llama.rope.freq_base")
         self.eps = self._float("llama.attention.layer_norm_rms_epsilon")
+        self._weights: dict[str, np.ndarray] = {}
 
     def _int(self, key: str) -> int:
         f = self.meta[key]
@@ -95,18 +103,27 @@ class QuantLlama:
 
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
         blocks, qtype = self._blocks(name)
-        return matmul(x, blocks, qtype)
+        if name not in self._weights:  # decoded once: a greedy run reads every matrix per step
+            self._weights[name] = dequantize(blocks, qtype)
+        return matmul(x, blocks, qtype, self._weights[name])
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self._vector(name)
 
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        """The logits of the last position after ``tokens`` (a causal forward pass)."""
+    def _forward(self, tokens: list[int], start: int,
+                 cache: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """The logits of the last of ``tokens``, which stand at positions ``start`` on.
+
+        ``cache`` holds each layer's keys (after RoPE) and values of the positions before
+        ``start``, and gets those of ``tokens`` appended. Every row is quantized and multiplied
+        on its own, so a step over one new token computes what a pass over the whole sequence
+        computes for that token.
+        """
         emb, et = self._blocks("token_embd.weight")
         x = gguf.quants.dequantize(emb[tokens], _T[et]).astype(np.float64)
         n = len(tokens)
         inv = 1.0 / self.theta ** (np.arange(0, self.hd, 2) / self.hd)
-        ang = np.arange(n)[:, None] * inv[None]
+        ang = np.arange(start, start + n)[:, None] * inv[None]
         cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
 
         def rope(v: np.ndarray) -> np.ndarray:  # GGUF llama: adjacent pairs
@@ -115,13 +132,17 @@ class QuantLlama:
             out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
             return out
 
-        causal = np.tril(np.ones((n, n), bool))
+        causal = np.tril(np.ones((n, start + n), bool), k=start)
         group = self.n_heads // self.n_kv
         for i in range(self.n_layers):
             h = self._norm(x, f"blk.{i}.attn_norm.weight")
             q = rope(self._linear(h, f"blk.{i}.attn_q.weight").reshape(n, self.n_heads, self.hd))
             k = rope(self._linear(h, f"blk.{i}.attn_k.weight").reshape(n, self.n_kv, self.hd))
             v = self._linear(h, f"blk.{i}.attn_v.weight").reshape(n, self.n_kv, self.hd)
+            if len(cache) <= i:
+                cache.append((k[:0], v[:0]))
+            k, v = np.concatenate([cache[i][0], k]), np.concatenate([cache[i][1], v])
+            cache[i] = (k, v)
             k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
             s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(self.hd)
             s = np.where(causal[None], s, -np.inf)
@@ -137,11 +158,18 @@ class QuantLlama:
         head = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
         return self._linear(h, head)[0]
 
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """The logits of the last position after ``tokens`` (a causal forward pass)."""
+        return self._forward(tokens, 0, [])
+
     def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
         """``n`` greedy tokens, and the margin (top-1 minus top-2 logit) of each pick."""
         tokens, margins = list(prompt), []
+        cache: list[tuple[np.ndarray, np.ndarray]] = []
+        z = self._forward(tokens, 0, cache)
         for _ in range(n):
-            z = self.logits(tokens)
+            if len(tokens) > len(prompt):  # the previous pick, at the next position
+                z = self._forward(tokens[-1:], len(tokens) - 1, cache)
             top2 = np.partition(z, -2)[-2:]
             margins.append(float(top2[1] - top2[0]))
             tokens.append(int(np.argmax(z)))

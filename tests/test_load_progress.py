@@ -131,6 +131,7 @@ def _log(cluster: Cluster) -> str:
     return pathlib.Path(cluster.local_workers[0].log_path).read_text()
 
 
+@pytest.mark.slow  # a full SmolLM2 compile; the fast tier interrupts one by SIGINT
 def test_cancelled_load_is_discarded_and_the_worker_serves_on(smollm2, tmp_path):
     with Cluster.local(1, weights_roots=[str(smollm2.parent)],
                        compilation_cache=str(tmp_path / "xla")) as cluster:
@@ -158,6 +159,7 @@ def test_cancelled_load_is_discarded_and_the_worker_serves_on(smollm2, tmp_path)
         assert [st.stage_id for st in client.info().stages] == ["again/0"]
 
 
+@pytest.mark.slow  # a full SmolLM2 compile; the fast tier interrupts one by SIGINT
 def test_load_past_its_deadline_is_discarded(smollm2, tmp_path):
     """#15 item 7: the worker used to keep compiling and load the stage anyway. The deadline
     (2 s) is far below the two compiles of a fresh cache (about 5 s on these machines)."""
@@ -173,6 +175,7 @@ def test_load_past_its_deadline_is_discarded(smollm2, tmp_path):
                       "the worker to log the discard")
 
 
+@pytest.mark.slow  # a full SmolLM2 compile; the fast tier interrupts one by SIGINT
 def test_interrupt_from_another_thread_unloads_and_names_the_stage(smollm2, tmp_path):
     """Cluster.interrupt (jaxdist serve's SIGINT) cancels a deploy under way."""
     texts: list[str] = []
@@ -211,10 +214,17 @@ def test_interrupt_from_another_thread_unloads_and_names_the_stage(smollm2, tmp_
 
 def test_cli_sigint_during_compile_exits_130_and_stops_its_workers(tmp_path):
     env = {**os.environ, "JAXDIST_COMPILATION_CACHE": str(tmp_path / "xla")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxdist.cli", "generate", "--local", "1", "--max-seq", "64",
-         "--slots", "2", "--buckets", "16", "--max-tokens", "4", "--prompt-ids", "1,2,3"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    # The CLI as `python -m jaxdist.cli`, but with Python's own SIGINT handler installed first:
+    # a suite run as a background job (`nohup make test &`) has SIGINT ignored, and a child
+    # inherits that, so it would never see the interrupt this test sends.
+    args = ["generate", "--local", "1", "--max-seq", "64", "--slots", "2", "--buckets", "16",
+            "--max-tokens", "4", "--prompt-ids", "1,2,3"]
+    launcher = ("import runpy, signal, sys\n"
+                "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                f"sys.argv = ['jaxdist', *{args!r}]\n"
+                "runpy.run_module('jaxdist.cli', run_name='__main__')\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
     try:
         lines = []

@@ -112,6 +112,7 @@ def test_generate_on_ray_actors_matches_local_workers(ray_instance):
     assert {g["state"] for g in placement_group_table().values()} <= {"REMOVED"}
 
 
+@pytest.mark.slow  # failover itself is in the fast tier (test_failover.py); this is on Ray
 def test_killed_actor_fails_over_to_a_spare_with_identical_tokens(ray_instance, tiny_gguf):
     """ray.kill on the actor holding the last stage, mid-decode: its worker dies with it, the
     stage moves to the spare actor, and every sequence comes out as in the run with no fault

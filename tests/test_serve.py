@@ -347,6 +347,7 @@ def _kill_stage_worker(server: Server, stage: int) -> str:
     raise AssertionError(f"no child process listens on {address}")
 
 
+@pytest.mark.slow  # a server of its own with a spare; failover is in the fast tier elsewhere
 def test_a_dead_worker_fails_over_to_a_spare_then_gives_503_naming_it() -> None:
     s = _start("--local", "2", "--spares", "1", "--max-seq", "128", "--buckets", "16",
                "--served-model-name", NAME)
