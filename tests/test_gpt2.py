@@ -80,7 +80,7 @@ def _assert_logits_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert err <= tol, f"{what}: max |logits - transformers| = {err:.3g} > {tol:.3g}"
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("stages", [1, 2, pytest.param(3, marks=pytest.mark.slow)])  # 3: slow tier
 def test_hf_parity(hf: Any, root: pathlib.Path, stages: int) -> None:
     model = gpt2_model("gpt2", roots=[root], return_logits=True, max_seq=64)
     assert [u.name for u in model.units] == ["embed", "blk.0", "blk.1", "blk.2", "blk.3", "head"]

@@ -13,9 +13,11 @@ import logging
 import pathlib
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import ggml_blocks
 import pytest
+from deploy_utils import cli
 from quant_reference import QuantLlama
 
 from jaxdist.coordinator.cluster import Cluster
@@ -66,13 +68,26 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def workers(files: pathlib.Path) -> Iterator[tuple[list[str], str]]:
+    """(two workers with the CPU kernels, one without): shared by this module's tests, which
+    deploy and unload on them but never stop or kill them."""
+    plain = spawn_workers(2, weights_roots=[str(files)])
+    bare = spawn_workers(1, weights_roots=[str(files)], extra_args=["--no-kernels",
+                                                                   "--kernel-threads", "1"])
+    try:
+        yield [w.address for w in plain], bare[0].address
+    finally:
+        stop_workers(plain + bare)
+
+
 @pytest.mark.parametrize("name", ["kq.gguf", "other.gguf"])
-def test_quantized_gguf_on_two_workers_matches_reference(files: pathlib.Path, name: str
-                                                         ) -> None:
+def test_quantized_gguf_on_two_workers_matches_reference(files: pathlib.Path, workers,
+                                                         name: str) -> None:
     model = _model(name, files)
     packed = {p.quant for u in model.units for p in u.params.values() if p.packed}
     assert packed == set((KQUANTS if name == "kq.gguf" else OTHERS).values())
-    with Cluster.local(2, weights_roots=[str(files)]) as cluster:
+    with Cluster.connect(workers[0]) as cluster:
         with cluster.deploy(model, stages=2) as pipe:
             got = _generate(pipe, model)
             memory = pipe.stage_memory()
@@ -122,22 +137,16 @@ def test_gguf_without_tokenizer_generates_from_prompt_ids(files: pathlib.Path) -
     assert out["text"] is None and out["prompt_ids"] == PROMPT
     _check_tokens(out["tokens"], files / "kq.gguf")
     assert len(out["stage_weight_bytes"]) == 1 and out["stage_memory"][0]["packed_bytes"] > 0
-    noprompt = subprocess.run(
-        [sys.executable, "-m", "jaxdist.cli", "generate", "--model", str(files / "kq.gguf"),
-         "--local", "1", "--prompt", "hello"], capture_output=True, text=True, timeout=600)
+    noprompt = cli("generate", "--model", str(files / "kq.gguf"), "--local", "1",
+                   "--prompt", "hello")  # refused before any worker starts: in this process
     assert noprompt.returncode != 0 and "has no tokenizer here; pass --prompt-ids" in \
         noprompt.stderr
+    assert "spawning" not in noprompt.stderr
 
 
-def test_worker_info_advertises_its_kernels(files: pathlib.Path) -> None:
-    plain = spawn_workers(1, weights_roots=[str(files)])
-    bare = spawn_workers(1, weights_roots=[str(files)], extra_args=["--no-kernels",
-                                                                   "--kernel-threads", "1"])
-    try:
-        with Cluster.connect([plain[0].address, bare[0].address]) as cluster:
-            k_plain, k_bare = (c.info().kernels for c in cluster.clients)
-    finally:
-        stop_workers(plain + bare)
+def test_worker_info_advertises_its_kernels(workers) -> None:
+    with Cluster.connect([workers[0][0], workers[1]]) as cluster:
+        k_plain, k_bare = (c.info().kernels for c in cluster.clients)
     assert k_plain.version.startswith(f"{kernels.ABI_VERSION}+ggml-")
     assert tuple(k_plain.types) == kernels.KERNEL_TYPES
     assert set(k_plain.targets) == kernels.OWN_TARGETS and not k_plain.unavailable_reason
@@ -145,24 +154,20 @@ def test_worker_info_advertises_its_kernels(files: pathlib.Path) -> None:
     assert k_bare.unavailable_reason == "disabled (--no-kernels)"
 
 
-def test_worker_without_kernels_gets_its_stage_dequantized(files: pathlib.Path, caplog
+def test_worker_without_kernels_gets_its_stage_dequantized(files: pathlib.Path, workers, caplog
                                                            ) -> None:
     """A mixed cluster: the stage on the worker with kernels stays packed; the stage on the
     worker without binds float32, and the coordinator says so. Same function, so the tokens
     equal a single-process run that dequantizes at stage 1 only."""
     model = _model("kq.gguf", files)
-    plain = spawn_workers(1, weights_roots=[str(files)])
-    bare = spawn_workers(1, weights_roots=[str(files)], extra_args=["--no-kernels"])
-    try:
-        with Cluster.connect([plain[0].address, bare[0].address]) as cluster:
-            with caplog.at_level(logging.WARNING, logger="jaxdist.coordinator.cluster"):
-                with cluster.deploy(model, stages=2) as pipe:
-                    got = _generate(pipe, model)
-                    memory = pipe.stage_memory()
-                    split = [len(r) for r in _ranges(pipe, model)]
-    finally:
-        stop_workers(plain + bare)
-    assert f"worker {bare[0].address} advertises no CPU kernels" in caplog.text
+    bare = workers[1]
+    with Cluster.connect([workers[0][0], bare]) as cluster:
+        with caplog.at_level(logging.WARNING, logger="jaxdist.coordinator.cluster"):
+            with cluster.deploy(model, stages=2) as pipe:
+                got = _generate(pipe, model)
+                memory = pipe.stage_memory()
+                split = [len(r) for r in _ranges(pipe, model)]
+    assert f"worker {bare} advertises no CPU kernels" in caplog.text
     assert memory[0]["packed_bytes"] > 0 and not memory[0]["dequantized_types"]
     assert memory[1]["packed_bytes"] == 0
     assert set(memory[1]["dequantized_types"]) <= set(KQUANTS.values())
@@ -187,27 +192,24 @@ def _ranges(pipe, model) -> list[range]:
     return out
 
 
-def test_error_kernel_manifest_refused_at_load_stage(files: pathlib.Path,
+def test_error_kernel_manifest_refused_at_load_stage(files: pathlib.Path, workers,
                                                      tmp_path: pathlib.Path) -> None:
     """A manifest exported with packed weights, deployed onto a worker that has no kernels:
     LoadStage refuses it and names the kernel and the worker, before any frame."""
     pub = publish(_model("kq.gguf", files), tmp_path / "registry", stages=1)
-    bare = spawn_workers(1, weights_roots=[str(files)], extra_args=["--no-kernels"])
-    try:
-        with Cluster.connect([bare[0].address]) as cluster:
-            with pytest.raises(ArtifactError) as err:
-                cluster.deploy_manifest(pub.manifest, registry=pub.registry)
-            assert cluster.clients[0].info().stages == []
-    finally:
-        stop_workers(bare)
+    bare = workers[1]
+    with Cluster.connect([bare]) as cluster:
+        with pytest.raises(ArtifactError) as err:
+            cluster.deploy_manifest(pub.manifest, registry=pub.registry)
+        assert cluster.clients[0].info().stages == []
     msg = str(err.value)
     assert "calls the CPU kernels jaxdist_cache_attention_v1, jaxdist_ggml_" in msg
-    assert f"worker {bare[0].address} does not have (disabled (--no-kernels))" in msg
+    assert f"worker {bare} does not have (disabled (--no-kernels))" in msg
 
 
-def test_error_half_precision_refused_on_cpu(files: pathlib.Path) -> None:
+def test_error_half_precision_refused_on_cpu(files: pathlib.Path, workers) -> None:
     model = _model("kq.gguf", files, dtype="bfloat16")
-    with Cluster.local(1, weights_roots=[str(files)]) as cluster:
+    with Cluster.connect(workers[0][:1]) as cluster:
         with pytest.raises(SpecError, match=r"stage 0 of 'kq.gguf' binds bfloat16 weights on "
                                             r"CPU worker .*no fast half-precision matmul"):
             cluster.deploy(model)

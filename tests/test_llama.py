@@ -119,7 +119,7 @@ def _check_parity(pipe: InProcessPipeline, hf: Any, prompt: Sequence[int], what:
 # Parity with transformers
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("stages", [1, 2, pytest.param(3, marks=pytest.mark.slow)])  # 3: slow tier
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hf_parity(hf_models: dict[str, Any], tiny_pipes: Any, arch: str, stages: int) -> None:
     pipe = tiny_pipes(arch, stages)
