@@ -191,6 +191,9 @@ def test_error_worker_refuses_artifact_outside_window(manifest: Manifest, cluste
                    calling_convention=jexport.maximum_supported_calling_convention_version + 1)
     reg = LocalRegistry(tmp_path)
     digest = reg.put(bad)
+    golden = LocalRegistry(GOLDEN, create=False)
+    for stage in manifest.stages[1:]:  # the registry holds every stage's artifact: the workers
+        reg.put(golden.get(stage.digest))  # may not have them yet (any test order)
     first = manifest.stages[0]
     stages = (dataclasses.replace(first, spec=first.spec.replace(artifact_digest=digest)),
               *manifest.stages[1:])
