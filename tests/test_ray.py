@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 
 import ggml_blocks
 import psutil
@@ -38,6 +39,7 @@ from jaxdist.launch.ray import bundle_device
 PROMPTS = [[5, 17, 99, 3], [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180, 7], [42], [100, 101, 102]]
 LENGTHS = [20, 16, 24, 12]
 MAX_SLOTS, MAX_SEQ = 4, 64
+RAY_STARTS = 3  # attempts at starting the local Ray instance (see ray_instance)
 HALF_CPU = {"CPU": 0.5}  # three workers (two and a spare) fit in the 2 CPUs of this instance
 
 
@@ -45,8 +47,18 @@ HALF_CPU = {"CPU": 0.5}  # three workers (two and a spare) fit in the 2 CPUs of 
 def ray_instance():
     """A local Ray instance of 2 CPUs, no dashboard, a small object store, actors' output kept
     in Ray's log files."""
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
-             log_to_driver=False, logging_level=logging.WARNING)
+    for attempt in range(1, RAY_STARTS + 1):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
+                     log_to_driver=False, logging_level=logging.WARNING)
+            break
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            # Ray gives its raylet a fixed 30 s to register with the GCS (ray/_private/node.py,
+            # no setting changes it); with both cores busy that can run out. Start again.
+            ray.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == RAY_STARTS:
+                raise
+            warnings.warn(f"ray.init, attempt {attempt} of {RAY_STARTS}: {exc}", stacklevel=1)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
