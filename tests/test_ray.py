@@ -40,6 +40,7 @@ PROMPTS = [[5, 17, 99, 3], [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180, 7], [42]
 LENGTHS = [20, 16, 24, 12]
 MAX_SLOTS, MAX_SEQ = 4, 64
 RAY_STARTS = 3  # attempts at starting the local Ray instance (see ray_instance)
+RAY_START_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 HALF_CPU = {"CPU": 0.5}  # three workers (two and a spare) fit in the 2 CPUs of this instance
 
 
@@ -47,16 +48,19 @@ HALF_CPU = {"CPU": 0.5}  # three workers (two and a spare) fit in the 2 CPUs of 
 def ray_instance():
     """A local Ray instance of 2 CPUs, no dashboard, a small object store, actors' output kept
     in Ray's log files."""
+    # Ray waits 30 s for its GCS server to publish its port, and 30 s for the raylet to
+    # register (ray/_private/node.py); with both cores busy either can run out. The first wait
+    # has a setting; the second has none, so a start that times out is tried again.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
     for attempt in range(1, RAY_STARTS + 1):
         try:
             ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
                      log_to_driver=False, logging_level=logging.WARNING)
             break
-        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
-            # Ray gives its raylet a fixed 30 s to register with the GCS (ray/_private/node.py,
-            # no setting changes it); with both cores busy that can run out. Start again.
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for the raylet
             ray.shutdown()
-            if "timed out during startup" not in str(exc) or attempt == RAY_STARTS:
+            timed_out = any(text in str(exc) for text in RAY_START_TIMEOUTS)
+            if not timed_out or attempt == RAY_STARTS:
                 raise
             warnings.warn(f"ray.init, attempt {attempt} of {RAY_STARTS}: {exc}", stacklevel=1)
     try:
