@@ -194,9 +194,9 @@ def test_version_names_jax():
     assert re.fullmatch(r"jaxdist \S+ \(jax \S+, jaxlib \S+, python \S+\)\n", proc.stdout)
 
 
-# One slot and one prompt chunk length: two shapes to compile per stage (a chat turn of 80
-# tokens is prefilled in chunks of 16).
-SMALL = ("--local", "2", "--max-seq", "128", "--slots", "1", "--buckets", "16")
+# One worker, one slot and one prompt chunk length: two shapes to compile (a chat turn of 80
+# tokens is prefilled in chunks of 16). The CLI across workers: the tests above, the README's.
+SMALL = ("--local", "1", "--max-seq", "128", "--slots", "1", "--buckets", "16")
 
 
 def _run(args: tuple[str, ...], stdin: str) -> subprocess.CompletedProcess[str]:
