@@ -9,7 +9,10 @@ activations are also quantized with ``gguf.quants`` and the product checked tigh
 
 from __future__ import annotations
 
+import os
 import pathlib
+import subprocess
+import sys
 import zlib
 
 import ggml_blocks
@@ -234,6 +237,60 @@ def test_masked_rows_are_skipped(matmul, qtype: str) -> None:
     np.testing.assert_array_equal(none, 0.0)
 
 
+WIDE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+
+
+@pytest.fixture
+def both_isas():
+    """Runs the test body's products with ggml's dot products, then with jaxdist's wide ones."""
+    wide = kernels.set_isa(True).isa
+    kernels.set_isa(False)
+    if wide != "avx512vnni":
+        pytest.skip("jaxdist's wide dot products need a CPU with AVX-512 VNNI and VBMI")
+    yield
+    kernels.set_isa(True)
+
+
+@pytest.mark.parametrize("qtype", WIDE_TYPES)
+def test_wide_dot_products_match_ggml_and_the_reference(both_isas, qtype: str) -> None:
+    """jaxdist's AVX-512 VNNI products (wide_simple.cc, wide_kquants.cc) read the file's blocks
+    and ggml's quantized activations; they must give ggml's vec_dot results up to the order of
+    float32 sums, and meet the same reference bound. Widths with a partial last vector group
+    (K of 96 or 160 for the 32-element blocks), row counts that are not a multiple of the
+    16-row chunks, and batches up to 9."""
+    rng = np.random.default_rng(zlib.crc32(b"wide" + qtype.encode()))
+    ks = (256, 512, 2304) if qtype.endswith("_K") else (32, 96, 160, 576, 2048)
+    differ = 0  # results not bit-identical to ggml's: the wide path ran
+    for k in ks:
+        n = 37 if k < 2048 else 130
+        blocks, wd = _random_blocks(rng, (n, k), qtype)
+        for m in (1, 2, 9):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            matmul = jax.jit(ops.quant_matmul, static_argnums=2)
+            kernels.set_isa(False)
+            y_ggml = np.asarray(matmul(x, blocks, qtype))
+            kernels.set_isa(True)
+            y_wide = np.asarray(matmul(x, blocks, qtype))
+            where = f"{qtype} K={k} N={n} batch {m}"
+            _check(y_wide, x, wd, qtype, f"wide {where}")
+            scale = np.abs(x) @ np.abs(wd.T)
+            assert (np.abs(y_wide - y_ggml) <= 2e-6 * scale + 1e-6).all(), where
+            differ += not np.array_equal(y_wide, y_ggml)
+    assert differ, f"{qtype}: every product was bit-identical to ggml's; did the wide path run?"
+
+
+def test_kernel_cpus_follow_affinity_and_isa_can_be_forced() -> None:
+    """A worker pinned to one core starts no helper thread (its default is 1 thread), and
+    JAXDIST_KERNELS_ISA=ggml keeps ggml's dot products on a CPU that has the wide ones."""
+    code = ("from jaxdist.core import kernels; i = kernels.load(); "
+            "print(i.cpus, i.isa, i.available, i.reason)")
+    env = {**os.environ, "JAXDIST_KERNELS_ISA": "ggml"}
+    out = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
+                          "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    assert out[:3] == ["1", "ggml", "True"], out
+
+
 def test_error_quant_matmul_wrong_width_or_type() -> None:
     blocks = np.zeros((8, 20), np.uint8)
     with pytest.raises(SpecError, match=r"x has 64 features, the Q4_1 weight rows hold 32"):
@@ -246,6 +303,7 @@ def test_kernel_info_and_threads() -> None:
     assert INFO.types == kernels.KERNEL_TYPES
     assert set(INFO.targets) == kernels.OWN_TARGETS
     assert INFO.version.startswith(f"{kernels.ABI_VERSION}+ggml-")
+    assert INFO.isa in ("avx512vnni", "ggml") and INFO.cpus == _cpu_budget()
     try:
         assert kernels.load(threads=1).threads == 1
         rng = np.random.default_rng(9)
@@ -258,6 +316,23 @@ def test_kernel_info_and_threads() -> None:
         np.testing.assert_array_equal(one, two)  # the split changes no result
     finally:
         kernels.load(threads=0)
+
+
+def _cpu_budget() -> int:
+    """What the kernels should take as this process's CPUs: its affinity, capped by a cgroup
+    v2 quota (v1's where that is what is mounted)."""
+    cpus = len(os.sched_getaffinity(0))
+    v2, v1 = pathlib.Path("/sys/fs/cgroup/cpu.max"), pathlib.Path("/sys/fs/cgroup/cpu")
+    if v2.exists():
+        quota, period = v2.read_text().split()
+    elif (v1 / "cpu.cfs_quota_us").exists():
+        quota, period = ((v1 / f).read_text().strip() for f in ("cpu.cfs_quota_us",
+                                                                 "cpu.cfs_period_us"))
+    else:
+        return cpus
+    if quota in ("max", "-1"):
+        return cpus
+    return min(cpus, max(1, int(float(quota) / float(period))))
 
 
 def _read_syscalls() -> int:

@@ -210,7 +210,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             max_serialization_version=artifacts.max_serialization_version(),
             kernels=pb.KernelInfo(version=self.kernels.version, types=self.kernels.types,
                                   targets=self.kernels.targets, threads=self.kernels.threads,
-                                  unavailable_reason=self.kernels.reason),
+                                  unavailable_reason=self.kernels.reason,
+                                  isa=self.kernels.isa, cpus=self.kernels.cpus),
             loading=self.loads.to_proto(), data_port=self.data_port,
             upload_bytes=self.uploads.held, inflight_bytes=self.inflight.held,
             streams=self.streams.total)

@@ -94,8 +94,10 @@ def run(opts: argparse.Namespace) -> int:
               + f"; streams open: {r.streams}")
         k = r.kernels
         if k.version:
-            threads = k.threads or "auto"
-            print(f"  cpu kernels: {k.version}, threads {threads}; types {', '.join(k.types)}")
+            threads = k.threads or f"auto ({k.cpus} CPUs)" if k.cpus else k.threads or "auto"
+            isa = f", dot products {k.isa}" if k.isa else ""
+            print(f"  cpu kernels: {k.version}{isa}, threads {threads}; "
+                  f"types {', '.join(k.types)}")
         else:
             print(f"  cpu kernels: none ({k.unavailable_reason or 'not advertised'})")
         if r.stages:

@@ -320,18 +320,22 @@ class StageLoading(_message.Message):
     def __init__(self, stage_id: _Optional[str] = ..., pipeline_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., phase: _Optional[str] = ..., phase_seconds: _Optional[float] = ..., seconds: _Optional[float] = ..., buckets_done: _Optional[int] = ..., buckets: _Optional[int] = ..., abandoned: _Optional[bool] = ...) -> None: ...
 
 class KernelInfo(_message.Message):
-    __slots__ = ("version", "types", "targets", "threads", "unavailable_reason")
+    __slots__ = ("version", "types", "targets", "threads", "unavailable_reason", "isa", "cpus")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TYPES_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
+    ISA_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     version: str
     types: _containers.RepeatedScalarFieldContainer[str]
     targets: _containers.RepeatedScalarFieldContainer[str]
     threads: int
     unavailable_reason: str
-    def __init__(self, version: _Optional[str] = ..., types: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., threads: _Optional[int] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
+    isa: str
+    cpus: int
+    def __init__(self, version: _Optional[str] = ..., types: _Optional[_Iterable[str]] = ..., targets: _Optional[_Iterable[str]] = ..., threads: _Optional[int] = ..., unavailable_reason: _Optional[str] = ..., isa: _Optional[str] = ..., cpus: _Optional[int] = ...) -> None: ...
 
 class InfoReply(_message.Message):
     __slots__ = ("address", "worker_version", "versions", "devices", "default_device", "stages", "sessions", "max_sessions", "rss_bytes", "uptime_s", "artifacts", "min_serialization_version", "max_serialization_version", "kernels", "loading", "data_port", "upload_bytes", "inflight_bytes", "streams", "artifact_cache_bytes", "artifact_cache_max_bytes")

@@ -25,6 +25,7 @@ about 300 lines; the trust placed in the prebuilt wheel is the trust placed in a
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import threading
 from collections.abc import Collection
@@ -35,11 +36,11 @@ from jaxdist.core.kernels.build import KernelBuildError, build, find_ggml
 
 __all__ = ["ABI_VERSION", "ATTENTION_TARGET", "DEQUANTIZE_TARGET", "DEQUANTIZE_V1_TARGET",
            "KERNEL_TYPES", "MATMUL_V1_TARGET", "OWN_TARGETS", "TARGET", "KernelBuildError", "KernelInfo", "load",
-           "loaded", "require"]
+           "loaded", "require", "set_isa"]
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 TARGET = "jaxdist_ggml_matmul_v2"
 """The custom call target of the quantized matmul (with a mask of the rows to compute); a new
 ABI gets a new name, never a change."""
@@ -71,8 +72,14 @@ class KernelInfo:
         version: ``"<abi>+ggml-<libggml version>"`` when available, else ``""``.
         types: the GGML types with a kernel (empty when unavailable).
         targets: custom call targets registered (empty when unavailable).
-        threads: threads per call (0: one per core, the caller included).
+        threads: threads per call as set (0: one per CPU the process may use, the caller
+            included).
         reason: why the kernels are unavailable ("" when they are).
+        isa: the dot products in use: ``"avx512vnni"`` (jaxdist's own, where the CPU has
+            AVX-512 with VNNI and VBMI and the type has one: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) or
+            ``"ggml"`` (the wheel's AVX2 ``vec_dot``; ``JAXDIST_KERNELS_ISA=ggml`` forces it).
+        cpus: the CPUs the process may use (its affinity mask, capped by a cgroup CPU quota):
+            the thread count when ``threads`` is 0.
     """
 
     available: bool
@@ -81,6 +88,8 @@ class KernelInfo:
     targets: tuple[str, ...] = ()
     threads: int = 0
     reason: str = ""
+    isa: str = ""
+    cpus: int = 0
 
 
 _lock = threading.Lock()
@@ -120,9 +129,12 @@ def _register(threads: int) -> KernelInfo:
                                 jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV1), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxdistCacheAttentionV1),
                                 platform="cpu")
+    lib.jaxdist_kernels_isa.restype = ctypes.c_char_p
+    lib.jaxdist_kernels_set_isa.restype = ctypes.c_char_p
     _lib = lib
     return KernelInfo(True, f"{ABI_VERSION}+ggml-{ggml.version}", types,
-                      tuple(sorted(OWN_TARGETS)), threads)
+                      tuple(sorted(OWN_TARGETS)), threads, isa=lib.jaxdist_kernels_isa().decode(),
+                      cpus=lib.jaxdist_kernels_default_threads())
 
 
 def load(*, threads: int = 0, enabled: bool = True) -> KernelInfo:
@@ -147,13 +159,24 @@ def load(*, threads: int = 0, enabled: bool = True) -> KernelInfo:
         if _info is not None and _info.available:
             if threads != _info.threads and _lib is not None:
                 _lib.jaxdist_kernels_set_threads(ctypes.c_int(threads))
-                _info = KernelInfo(True, _info.version, _info.types, _info.targets, threads)
+                _info = dataclasses.replace(_info, threads=threads)
             return _info
         try:
             _info = _register(threads)
         except KernelBuildError as exc:
             log.warning("jaxdist CPU kernels unavailable: %s", exc)
             _info = KernelInfo(False, reason=str(exc))
+        return _info
+
+
+def set_isa(wide: bool) -> KernelInfo:
+    """Use jaxdist's wide dot products (``True``, where the CPU has them) or ggml's (``False``)
+    from the next call on; for comparing the two in one process (the tests, the benchmarks)."""
+    global _info
+    with _lock:
+        if _info is None or not _info.available or _lib is None:
+            raise KernelBuildError("the CPU kernels are not loaded (kernels.load() first)")
+        _info = dataclasses.replace(_info, isa=_lib.jaxdist_kernels_set_isa(int(wide)).decode())
         return _info
 
 

@@ -1,6 +1,7 @@
 """Build the CPU kernel library once per machine, and cache it.
 
-The handler sources (``ggml_matmul.cc``, ``attention.cc``) ship with jaxdist. They are compiled
+The handler sources (``ggml_matmul.cc``, ``attention.cc``, and the wide-vector dot products
+``wide_simple.cc`` and ``wide_kquants.cc`` behind ``wide.h``) ship with jaxdist. They are compiled
 into one library on first use with the machine's C++ compiler against two sets of headers that the normal install brings: XLA's FFI
 API (``jax.ffi.include_dir()``) and ggml's (the ``libggml-python`` wheel). The shared object goes
 to the kernel cache, keyed by a digest of everything that affects it (sources, jaxlib and
@@ -32,7 +33,9 @@ __all__ = ["GgmlLibrary", "KernelBuildError", "build", "cache_dir", "find_ggml"]
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("ggml_matmul.cc", "attention.cc"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("ggml_matmul.cc", "attention.cc",
+                                                      "wide_simple.cc", "wide_kquants.cc"))
+HEADERS = (Path(__file__).with_name("wide.h"),)
 BUILD_TIMEOUT_S = 300.0
 
 
@@ -100,7 +103,7 @@ def _key(cxx: str, ggml: GgmlLibrary, jax_include: str) -> str:
                             check=False).stdout.splitlines()[:1]
     except OSError as exc:
         raise KernelBuildError(f"the C++ compiler {cxx!r} does not run: {exc}") from exc
-    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
     for part in (jaxlib.__version__, jax_include, ggml.version, str(ggml.lib), *cc,
                  platform.machine()):
         h.update(b"\0" + part.encode())
@@ -126,7 +129,7 @@ def build(*, force: bool = False) -> Path:
     except OSError as exc:
         raise KernelBuildError(f"cannot create the kernel cache {out_dir}: {exc} (set "
                                f"JAXDIST_KERNEL_CACHE to a writable directory)") from exc
-    target = out_dir / f"jaxdist_kernels_v1-{key}.so"
+    target = out_dir / f"jaxdist_kernels_v2-{key}.so"
     if target.exists() and not force:
         return target
     with open(out_dir / f"{target.name}.lock", "w") as lock:
@@ -135,7 +138,7 @@ def build(*, force: bool = False) -> Path:
             return target
         tmp = target.with_suffix(f".tmp{os.getpid()}")
         cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-               f"-I{jax_include}", f"-I{ggml.include}", *map(str, SOURCES), f"-L{ggml.lib}",
+               f"-I{jax_include}", f"-I{ggml.include}", f"-I{SOURCES[0].parent}", *map(str, SOURCES), f"-L{ggml.lib}",
                "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{ggml.lib}", "-o", str(tmp)]
         log.warning("building the jaxdist CPU kernels (once per machine, about 20 s): %s",
                     target)

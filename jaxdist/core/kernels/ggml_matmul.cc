@@ -21,6 +21,9 @@
 // Built at first use by jaxdist/core/kernels/build.py; nothing here is copied from ggml.
 
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <sched.h>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -36,6 +39,7 @@
 
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "wide.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -45,20 +49,31 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 // GGML type ids (GGUF's file format numbers) this handler accepts.
 constexpr int kTypes[] = {GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1,
                           GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_Q2_K,
                           GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
 constexpr int64_t kRowsPerChunk = 16;  // rows of W per claimed unit of work
 constexpr int64_t kActBlock = 64;      // rows of x kept hot per pass over a chunk
-// Multiply-adds below which one thread runs: a one-row product (decode) reads its weights at
-// memory speed on one core, so a second thread costs more than it brings except on the LM head;
-// a product of several rows (batch, prefill) is compute-bound and splits from a smaller size.
-constexpr int64_t kMinSplitWork = int64_t{1} << 24;
+// Below these sizes one thread runs. A one-row product (decode) is bound by how fast one core
+// takes in W's blocks (about 15-20 GB/s here, half the memory's rate), so a second thread
+// nearly doubles it once W is large enough that handing half of it to a helper spinning
+// between calls (about a microsecond) is small beside it: from 512 KB (SmolLM2's FFN matrices,
+// every matrix of a 1B model). A product of several rows (batch, prefill) is compute-bound
+// and splits by multiply-adds.
+constexpr int64_t kMinSplitBytes = int64_t{1} << 19;
 constexpr int64_t kMinSplitWorkRows = int64_t{1} << 19;
+constexpr int64_t kMinSplitWork = int64_t{1} << 24;  // dequantization, in MAC equivalents
 
-std::atomic<int> g_threads{0};  // 0: one per hardware thread (the caller included)
+std::atomic<int> g_threads{0};  // 0: one per CPU of CpuBudget() (the caller included)
+std::atomic<bool> g_wide{false};  // the matmul runs wide.h's kernels where a type has one
+
+const jaxdist_wide::WideKernel* WideFor(int type) {
+  if (!g_wide.load(std::memory_order_relaxed)) return nullptr;
+  if (const auto* simple = jaxdist_wide::SimpleKernel(type)) return simple;
+  return jaxdist_wide::KquantKernel(type);
+}
 
 bool Supported(int type) {
   for (int t : kTypes) {
@@ -73,6 +88,7 @@ struct Job {
   std::atomic<int64_t> helpers{0};  // helpers that joined
   int64_t max_helpers = 0;
   int64_t chunks = 0;
+  int64_t chunk_rows = kRowsPerChunk;  // rows of W per chunk
   int64_t m = 0, n = 0, k = 0;
   int64_t live = 0;  // rows of x computed (the split rule counts these)
   const uint8_t* w = nullptr;
@@ -83,15 +99,26 @@ struct Job {
   const int32_t* rows = nullptr;      // matmul v2: rows of x to compute (nonzero); null: all
   ggml_vec_dot_t dot = nullptr;       // matmul: one (row of x, row of W) product
   ggml_to_float_t to_float = nullptr;  // dequantize: one row of W
+  const jaxdist_wide::WideKernel* wide = nullptr;  // matmul on this CPU's wide vectors (wide.h)
+  const uint8_t* wx = nullptr;                      // x as wide->relayout wrote it
+  size_t wx_row = 0;
 
   void Work() {
     for (;;) {
       int64_t c = next.fetch_add(1, std::memory_order_relaxed);
       if (c >= chunks) return;
-      int64_t n0 = c * kRowsPerChunk;
-      int64_t n1 = n0 + kRowsPerChunk < n ? n0 + kRowsPerChunk : n;
+      int64_t n0 = c * chunk_rows;
+      int64_t n1 = n0 + chunk_rows < n ? n0 + chunk_rows : n;
       if (to_float != nullptr) {
         for (int64_t r = n0; r < n1; ++r) to_float(w + r * w_row, y + r * k, k);
+        done.fetch_add(1, std::memory_order_release);
+        continue;
+      }
+      if (wide != nullptr) {
+        for (int64_t i = 0; i < m; ++i) {  // the chunk's rows of W stay in cache across x's
+          if (rows != nullptr && rows[i] == 0) continue;
+          wide->dot_rows(k, w + n0 * w_row, w_row, n1 - n0, wx + i * wx_row, y + i * n + n0);
+        }
         done.fetch_add(1, std::memory_order_release);
         continue;
       }
@@ -207,19 +234,44 @@ Helpers& TheHelpers() {
   return *helpers;
 }
 
-// Read once: glibc answers hardware_concurrency() by opening /sys/devices/system/cpu/online,
-// which cost a decode step about a hundred system calls when it was asked on every product.
-int64_t HardwareThreads() {
-  static const int64_t n = std::max<int64_t>(1, std::thread::hardware_concurrency());
+// The CPUs this process may use: its affinity mask, capped by a cgroup CPU quota (v2's cpu.max
+// or v1's cfs quota, rounded down, at least 1), so a worker pinned to one core or a pod limited
+// to 2 CPUs starts no helper that could only spin against the caller. Read once: glibc answers
+// hardware_concurrency() by reading /sys, which cost a decode step about a hundred system calls
+// when it was asked on every product.
+int64_t QuotaCpus() {
+  double quota = 0, period = 0;
+  std::string q;
+  if (std::ifstream v2("/sys/fs/cgroup/cpu.max"); v2 >> q >> period) {
+    if (q == "max") return 0;
+    quota = std::atof(q.c_str());
+  } else if (std::ifstream v1q("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+             v1p("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+             v1q >> quota && v1p >> period) {
+    if (quota <= 0) return 0;
+  }
+  if (quota <= 0 || period <= 0) return 0;
+  return std::max<int64_t>(1, static_cast<int64_t>(quota / period));
+}
+
+int64_t CpuBudget() {
+  static const int64_t n = [] {
+    int64_t cpus = std::max<int64_t>(1, std::thread::hardware_concurrency());
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = std::max(1, CPU_COUNT(&set));
+    const int64_t quota = QuotaCpus();
+    return quota > 0 ? std::min(cpus, quota) : cpus;
+  }();
   return n;
 }
 
-void Run(const std::shared_ptr<Job>& job, int64_t macs) {
-  int64_t threads = g_threads.load(std::memory_order_relaxed);
-  if (threads <= 0) threads = HardwareThreads();
-  // Splitting has a cost too (handing chunks over, results meeting in one cache): small
-  // products run on the caller alone (bench/NOTES.md, "CPU kernels").
-  if (macs < (job->live > 1 ? kMinSplitWorkRows : kMinSplitWork)) threads = 1;
+int64_t Threads() {
+  const int64_t threads = g_threads.load(std::memory_order_relaxed);
+  return threads > 0 ? threads : CpuBudget();
+}
+
+void Run(const std::shared_ptr<Job>& job, bool split) {
+  int64_t threads = split ? Threads() : 1;
   if (threads > job->chunks) threads = job->chunks;
   TheHelpers().Run(job, threads);
 }
@@ -309,8 +361,36 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     if (live == 0) return ffi::Error::Success();
   }
 
+  // The wide kernels read x once more rearranged (a few KB per row; wide.h).
+  const jaxdist_wide::WideKernel* wide = vt != GGML_TYPE_F32 ? WideFor(type) : nullptr;
+  thread_local std::vector<uint8_t> wx_buf;
+  uint8_t* wx = nullptr;
+  size_t wx_row = 0;
+  if (wide != nullptr) {
+    wx_row = wide->row_bytes(k);
+    wx_buf.resize(wx_row * static_cast<size_t>(m) + 64);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(wx_buf.data());
+    wx = wx_buf.data() + ((64 - at % 64) % 64);
+    for (int64_t i = 0; i < m; ++i) {
+      if (rows != nullptr && rows[i] == 0) continue;
+      wide->relayout(xq + i * xq_row, wx + i * wx_row, k);
+    }
+  }
+
   auto job = std::make_shared<Job>();
-  job->chunks = (n + kRowsPerChunk - 1) / kRowsPerChunk;
+  if (live == 1) {
+    // One row streams W from memory: each thread's chunks should be long runs of W, so the
+    // hardware prefetchers keep streaming: 16-row chunks taken in turn by two threads cost a
+    // 1B model's decode 25% (bench/NOTES.md, "Decode on a ~1B model"). Two chunks per thread
+    // still let the caller take over the chunks of a helper that starts late.
+    const int64_t per = (n + 2 * Threads() - 1) / (2 * Threads());
+    job->chunk_rows = std::max(kRowsPerChunk, (per + kRowsPerChunk - 1) / kRowsPerChunk *
+                                                  kRowsPerChunk);
+  }
+  job->chunks = (n + job->chunk_rows - 1) / job->chunk_rows;
+  job->wide = wide;
+  job->wx = wx;
+  job->wx_row = wx_row;
   job->m = m;
   job->n = n;
   job->k = k;
@@ -322,7 +402,8 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   job->dot = ct->vec_dot;
   job->rows = rows;
   job->live = live;
-  Run(job, live * n * k);
+  const int64_t bytes = n * static_cast<int64_t>(w_row);
+  Run(job, live > 1 ? live * n * k >= kMinSplitWorkRows : bytes >= kMinSplitBytes);
   return ffi::Error::Success();
 }
 
@@ -367,7 +448,7 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> w,
   job->w_row = w_row;
   job->y = y->typed_data();
   job->to_float = tt->to_float;
-  Run(job, n * k * 8);  // converting an element costs about as much as 8 MACs
+  Run(job, n * k * 8 >= kMinSplitWork);  // an element costs about as much as 8 MACs
   return ffi::Error::Success();
 }
 
@@ -383,6 +464,30 @@ ffi::Error DequantizeAfter(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                 "expected x (M, K) and y (N, K) with the same K");
   }
   return Dequantize(w, y, type);
+}
+
+// The wide kernels run where the CPU has their ISA and ggml's activation blocks are the ones
+// wide_simple.cc and wide_kquants.cc read (a libggml that changed them keeps ggml's vec_dot).
+bool WideUsable() {
+  if (!jaxdist_wide::WideIsaSupported()) return false;
+  const struct { ggml_type w, x; size_t x_bytes; } expect[] = {
+      {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, 34}, {GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 34},
+      {GGML_TYPE_Q4_1, GGML_TYPE_Q8_1, 36}, {GGML_TYPE_Q4_K, GGML_TYPE_Q8_K, 292},
+      {GGML_TYPE_Q6_K, GGML_TYPE_Q8_K, 292}};
+  for (const auto& e : expect) {
+    const ggml_type_traits_cpu* ct = ggml_get_type_traits_cpu(e.w);
+    if (ct == nullptr || ct->vec_dot_type != e.x ||
+        ggml_get_type_traits(e.x)->type_size != e.x_bytes) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// JAXDIST_KERNELS_ISA=ggml (or avx2) keeps ggml's dot products on a CPU that has the wide ones.
+bool ForcedGgml() {
+  const char* isa = std::getenv("JAXDIST_KERNELS_ISA");
+  return isa != nullptr && (std::strcmp(isa, "ggml") == 0 || std::strcmp(isa, "avx2") == 0);
 }
 
 }  // namespace
@@ -429,8 +534,22 @@ JAXDIST_EXPORT int jaxdist_kernels_init(char* err, int err_len) {
   }
 #endif
   ggml_cpu_init();
+  g_wide.store(WideUsable() && !ForcedGgml());
   return 0;
 }
+
+// The dot products in use: "avx512vnni" (wide.h) or "ggml" (the wheel's vec_dot).
+JAXDIST_EXPORT const char* jaxdist_kernels_isa() { return g_wide.load() ? "avx512vnni" : "ggml"; }
+
+// Switches between them (1: wide, where this CPU has it; 0: ggml); returns the ISA in use. The
+// tests check both against the same reference in one process.
+JAXDIST_EXPORT const char* jaxdist_kernels_set_isa(int wide) {
+  g_wide.store(wide != 0 && WideUsable());
+  return jaxdist_kernels_isa();
+}
+
+// Threads per call when set_threads was given 0: the CPUs of this process (CpuBudget).
+JAXDIST_EXPORT int jaxdist_kernels_default_threads() { return static_cast<int>(CpuBudget()); }
 
 // Comma-separated GGML type names the handler accepts, for Info.
 JAXDIST_EXPORT const char* jaxdist_kernels_types() {

