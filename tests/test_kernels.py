@@ -108,12 +108,13 @@ def test_kernel_on_real_smollm2_tensors(matmul, smollm2: pathlib.Path) -> None:
                 _check(np.asarray(matmul(x, blocks, qtype)), x, wd, qtype, f"{name} batch {m}")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "F16"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q5_K", "F16"])
 def test_many_rows_take_the_dequantize_branch(matmul, qtype: str) -> None:
-    """Above KERNEL_MAX_ROWS the CPU dequantizes (ggml) and runs XLA's dot: f32 activations."""
+    """Above max_rows (64, or 256 for the types with wide multi-row products) the CPU
+    dequantizes (ggml) and runs XLA's dot: f32 activations."""
     rng = np.random.default_rng(2)
     blocks, wd = _random_blocks(rng, (40, 256), qtype)
-    m = ops.KERNEL_MAX_ROWS + 3
+    m = ops.max_rows(qtype) + 3
     x = rng.standard_normal((m, 256)).astype(np.float32)
     y = np.asarray(matmul(x, blocks, qtype))
     np.testing.assert_allclose(y, x.astype(np.float64) @ wd.T, rtol=1e-5, atol=1e-4)
@@ -133,7 +134,7 @@ def test_many_rows_dequantize_one_matrix_at_a_time() -> None:
             x = jnp.tanh(ops.quant_matmul(x, w, "Q4_1")[:, :256])
         return x
 
-    x = np.zeros((ops.KERNEL_MAX_ROWS + 8, 256), np.float32)
+    x = np.zeros((ops.max_rows("Q4_1") + 8, 256), np.float32)
     temp = jax.jit(chain).lower(x, *ws).compile().memory_analysis().temp_size_in_bytes
     one = 512 * 256 * 4
     assert temp < 2 * one + 4 * x.nbytes, f"{temp} bytes of temporaries for 10 x {one}"
@@ -237,7 +238,7 @@ def test_masked_rows_are_skipped(matmul, qtype: str) -> None:
     np.testing.assert_array_equal(none, 0.0)
 
 
-WIDE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+
 
 
 @pytest.fixture
@@ -251,7 +252,7 @@ def both_isas():
     kernels.set_isa(True)
 
 
-@pytest.mark.parametrize("qtype", WIDE_TYPES)
+@pytest.mark.parametrize("qtype", ops.WIDE_TYPES)
 def test_wide_dot_products_match_ggml_and_the_reference(both_isas, qtype: str) -> None:
     """jaxdist's AVX-512 VNNI products (wide_simple.cc, wide_kquants.cc) read the file's blocks
     and ggml's quantized activations; they must give ggml's vec_dot results up to the order of

@@ -15,11 +15,11 @@ positions in use; quantized stages call it too.
 reason, the worker says so at start-up and advertises no kernels, and the coordinator then binds
 that worker's weights dequantized.
 
-Why ggml's kernels and not our own: ggml's CPU dot products (``ggml_get_type_traits_cpu``) are
-llama.cpp's, cover every GGML type with hand-tuned AVX2 code, and quantize activations exactly as
-llama.cpp does, so a jaxdist worker computes what llama.cpp computes. The handler around them is
-about 300 lines; the trust placed in the prebuilt wheel is the trust placed in any binary wheel
-(numpy, jaxlib). See docs/kernels.md.
+The activations are quantized by ggml's own routines (the ``libggml-python`` wheel), exactly as
+llama.cpp does, so a jaxdist worker computes what llama.cpp computes. The dot products are
+jaxdist's own AVX-512 VNNI code where the CPU has it and the type has one (Q4_0, Q4_1, Q8_0,
+Q4_K, Q6_K: ``wide.h``), else ggml's AVX2 ``vec_dot``; :attr:`KernelInfo.isa` says which, and
+:func:`set_isa` switches between them. See docs/kernels.md.
 """
 
 from __future__ import annotations

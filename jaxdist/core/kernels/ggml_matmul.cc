@@ -4,10 +4,11 @@
 // (jaxdist/core/kernels/ops.py). W is bound exactly as the GGUF file stores it: N rows of
 // K/block_elems blocks.
 //
-// - `jaxdist_ggml_matmul_v2`: the product for few rows (decode). The dot products are ggml's
-//   own CPU kernels, reached through the public `ggml_get_type_traits_cpu` of the
-//   libggml-python wheel: x is quantized once per call to the type's `vec_dot_type` (Q8_0,
-//   Q8_1 or Q8_K, as llama.cpp does), then every (row of x, row of W) pair is one `vec_dot`.
+// - `jaxdist_ggml_matmul_v2`: the product for few rows (decode). x is quantized once per call
+//   to the type's `vec_dot_type` (Q8_0, Q8_1 or Q8_K) by ggml's own `from_float`, reached
+//   through the public `ggml_get_type_traits_cpu` of the libggml-python wheel, as llama.cpp
+//   does. Then every (row of x, row of W) pair is one dot product: jaxdist's AVX-512 VNNI ones
+//   (wide.h) where the CPU has them and the type has one, else ggml's `vec_dot`.
 //   A third operand, rows (M,) int32, skips the rows of x that are padding (zeros out);
 //   `_v1` (no rows) stays for artifacts exported before.
 // - `jaxdist_ggml_dequantize_v2`: W to float32 with ggml's `to_float`, for products of many
@@ -15,7 +16,8 @@
 //   takes x too, for ordering only; `_v1` (no x) stays for artifacts exported before.
 //
 // Rows of W are split into chunks that the calling thread and up to `threads - 1` helper
-// threads claim from an atomic counter (class Helpers).
+// threads claim from an atomic counter (class Helpers); threads default to the CPUs this
+// process may use (CpuBudget).
 //
 // Every buffer is checked against the declared type and shapes before anything is read.
 // Built at first use by jaxdist/core/kernels/build.py; nothing here is copied from ggml.
@@ -100,8 +102,10 @@ struct Job {
   ggml_vec_dot_t dot = nullptr;       // matmul: one (row of x, row of W) product
   ggml_to_float_t to_float = nullptr;  // dequantize: one row of W
   const jaxdist_wide::WideKernel* wide = nullptr;  // matmul on this CPU's wide vectors (wide.h)
-  const uint8_t* wx = nullptr;                      // x as wide->relayout wrote it
+  const uint8_t* wx = nullptr;  // x's live rows, one after another, as wide->relayout wrote them
   size_t wx_row = 0;
+  const int64_t* live_rows = nullptr;  // their row numbers in x
+  int64_t n_live = 0;
 
   void Work() {
     for (;;) {
@@ -115,9 +119,20 @@ struct Job {
         continue;
       }
       if (wide != nullptr) {
-        for (int64_t i = 0; i < m; ++i) {  // the chunk's rows of W stay in cache across x's
-          if (rows != nullptr && rows[i] == 0) continue;
-          wide->dot_rows(k, w + n0 * w_row, w_row, n1 - n0, wx + i * wx_row, y + i * n + n0);
+        // x's live rows, kMaxMulti at a time: each pass reads the chunk's rows of W once (from
+        // cache after the first), and a multi-row pass unpacks each block once for all of them
+        for (int64_t j0 = 0; j0 < n_live; j0 += jaxdist_wide::kMaxMulti) {
+          const int64_t mm = std::min(jaxdist_wide::kMaxMulti, n_live - j0);
+          float* ys[jaxdist_wide::kMaxMulti];
+          for (int64_t t = 0; t < mm; ++t) ys[t] = y + live_rows[j0 + t] * n + n0;
+          const uint8_t* xs = wx + j0 * wx_row;
+          if (mm > 1 && wide->dot_rows_multi != nullptr) {
+            wide->dot_rows_multi(k, w + n0 * w_row, w_row, n1 - n0, xs, wx_row, mm, ys);
+          } else {
+            for (int64_t t = 0; t < mm; ++t) {
+              wide->dot_rows(k, w + n0 * w_row, w_row, n1 - n0, xs + t * wx_row, ys[t]);
+            }
+          }
         }
         done.fetch_add(1, std::memory_order_release);
         continue;
@@ -364,8 +379,10 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   // The wide kernels read x once more rearranged (a few KB per row; wide.h).
   const jaxdist_wide::WideKernel* wide = vt != GGML_TYPE_F32 ? WideFor(type) : nullptr;
   thread_local std::vector<uint8_t> wx_buf;
+  thread_local std::vector<int64_t> live_rows;
   uint8_t* wx = nullptr;
   size_t wx_row = 0;
+  live_rows.clear();
   if (wide != nullptr) {
     wx_row = wide->row_bytes(k);
     wx_buf.resize(wx_row * static_cast<size_t>(m) + 64);
@@ -373,7 +390,8 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     wx = wx_buf.data() + ((64 - at % 64) % 64);
     for (int64_t i = 0; i < m; ++i) {
       if (rows != nullptr && rows[i] == 0) continue;
-      wide->relayout(xq + i * xq_row, wx + i * wx_row, k);
+      wide->relayout(xq + i * xq_row, wx + live_rows.size() * wx_row, k);
+      live_rows.push_back(i);
     }
   }
 
@@ -391,6 +409,8 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   job->wide = wide;
   job->wx = wx;
   job->wx_row = wx_row;
+  job->live_rows = live_rows.data();
+  job->n_live = static_cast<int64_t>(live_rows.size());
   job->m = m;
   job->n = n;
   job->k = k;

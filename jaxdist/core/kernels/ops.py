@@ -9,9 +9,9 @@ quantized weights alike.
 ``lax.platform_dependent(cpu=<the kernel>, default=<dequantize + dot>)``: the serialized stage
 holds both branches, XLA:CPU keeps only the custom call (:data:`jaxdist.core.kernels.TARGET`), and
 XLA:GPU/TPU fuse the dequantization into their dot. On the CPU, products of many rows (a
-prefill) are faster as dequantize-then-dot; :data:`KERNEL_MAX_ROWS` is that crossover, as
-measured in bench/NOTES.md ("CPU kernels"), and the choice is a ``lax.cond`` on the static
-row count that each compiled shape bucket folds away.
+prefill) are faster as dequantize-then-dot; :func:`max_rows` is that crossover per type, as
+measured in bench/NOTES.md ("CPU kernels", "Decode on a ~1B model"), and the choice is a
+``lax.cond`` on the static row count that each compiled shape bucket folds away.
 
 :func:`cache_attention` does the same for a decode step's attention over the slot KV cache: the
 CPU branch calls :data:`jaxdist.core.kernels.ATTENTION_TARGET`, which reads only the cache positions
@@ -39,13 +39,30 @@ from jaxdist.core.errors import SpecError
 from jaxdist.core.kernels import ATTENTION_TARGET, DEQUANTIZE_TARGET, KERNEL_TYPES, TARGET
 from jaxdist.core.quant import block_layout, dequantize_rows
 
-__all__ = ["ATTENTION_MAX_QUERIES", "KERNEL_MAX_ROWS", "QTensor", "cache_attention",
+__all__ = ["ATTENTION_MAX_QUERIES", "KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS_WIDE", "QTensor",
+           "WIDE_TYPES", "max_rows", "cache_attention",
            "exporting_for_kernels", "linear", "quant_matmul", "take_rows"]
 
 Array = Any
 
 KERNEL_MAX_ROWS = 64
 """On the CPU, products with more rows than this dequantize (ggml) and then run XLA's dot."""
+
+WIDE_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+"""Types with jaxdist's own multi-row dot products (docs/kernels.md), which stay faster than
+dequantize-then-dot up to :data:`KERNEL_MAX_ROWS_WIDE` rows."""
+
+KERNEL_MAX_ROWS_WIDE = 512
+"""The crossover for :data:`WIDE_TYPES`: a 5632x2048 Q4_0 product of 128 rows took 19 ms in
+the kernel against 61 ms dequantized, of 512 rows 46 against 73 ms (Q4_K: 42 against 76 ms;
+bench/NOTES.md, "Decode on a ~1B model"). On a CPU without AVX-512 VNNI these types run ggml's
+dot products up to here too, slower there than dequantizing from about 64 rows on."""
+
+
+def max_rows(qtype: str) -> int:
+    """The most rows of a product of ``qtype`` weights that the CPU kernel computes; more
+    rows dequantize and run XLA's dot."""
+    return KERNEL_MAX_ROWS_WIDE if qtype in WIDE_TYPES else KERNEL_MAX_ROWS
 
 ATTENTION_MAX_QUERIES = 8
 """On the CPU, steps of more tokens per row than this (prefill) attend with XLA's dots."""
@@ -159,7 +176,7 @@ def quant_matmul(x: Array, blocks: Array, qtype: str, rows: Array | None = None)
          else jnp.asarray(rows).astype(jnp.int32).reshape((-1,)))
 
     def cpu(x2: Array, blocks: Array, r: Array) -> Array:
-        many = jnp.asarray(x2.shape[0]) > KERNEL_MAX_ROWS  # a constant once a bucket compiles
+        many = jnp.asarray(x2.shape[0]) > max_rows(qtype)  # a constant once a bucket compiles
         return lax.cond(many, lambda a, b, _: _kernel_dequantize_dot(a, b, qtype),
                         lambda a, b, m: _kernel(a, b, qtype, m), x2, blocks, r)
 

@@ -27,7 +27,14 @@ struct WideKernel {
   // x as `relayout` wrote it.
   void (*dot_rows)(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
                    float* y);
+  // The same for m <= kMaxMulti activation rows at once (a batch, a prefill chunk): row i at
+  // x + i * x_row, its results at y[i][0 .. nrows). Each weight block is read and unpacked
+  // once for all m rows, which is what makes a batch cheaper than m single rows.
+  void (*dot_rows_multi)(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows,
+                         const uint8_t* x, size_t x_row, int64_t m, float* const* y);
 };
+
+constexpr int64_t kMaxMulti = 8;
 
 // True when this CPU has everything the wide kernels use (checked once).
 bool WideIsaSupported();

@@ -1,7 +1,7 @@
 // Wide dot products for the K-quants Q4_K and Q6_K (activations in Q8_K). See wide.h for where
 // they are called from.
 //
-// Both loops take one 256-weight superblock per iteration, as four 64-byte vectors of unsigned
+// Both types take one 256-weight superblock per step, as four 64-byte vectors of unsigned
 // quants. `vpdpbusd` sums four u8 x s8 products of a vector with its 64 activation quants into
 // each int32 lane (|sum| < 2^15), two such vectors are packed into int16 words, and `vpdpwssd`
 // multiplies the words with their sub-block's scale and accumulates int32. So the sub-block
@@ -22,6 +22,12 @@
 // separate arrays), 64-byte aligned: qs[256] int8, at 256 the sums of the sub-blocks as int16
 // (Q4_K: 8, per 32 weights; Q6_K: 16, per 16, negated; recomputed from the quants, not taken
 // from Q8_K's bsums), at 288 the float dx.
+//
+// One loop serves both types and M = 1..kMaxMulti activation rows (`DotRows`): a superblock of
+// W is loaded and unpacked once (`Unpack`: quants, scale vectors, d), then multiplied with each
+// row's record (`Add`, one accumulator per row, held in registers). M = 1 is `dot_rows`, the
+// decode product; every row takes the same steps in the same order for any M, so
+// `dot_rows_multi` gives the same floats as `dot_rows`.
 // The weight loads stay inside each superblock, so a row ending at the buffer end is safe.
 
 #include <immintrin.h>
@@ -105,122 +111,205 @@ WIDE_TARGET inline __m512i Dot2(__m512i w0, const int8_t* x0, __m512i w1, const 
                             _mm512_dpbusd_epi32(zero, w1, _mm512_load_si512(x1)));
 }
 
-// The float16 scale(s) at `h` (`n` of them: d, or d and dmin) times dx, in the low lanes.
-WIDE_TARGET inline __m128 Scales(const uint8_t* h, int n, float dx) {
+// The float16 scale(s) at `h` (`n` of them: d, or d and dmin) as floats in the low lanes.
+WIDE_TARGET inline __m128 HalfScales(const uint8_t* h, int n) {
   uint32_t bits = 0;
   std::memcpy(&bits, h, 2 * n);
-  const __m128 d = _mm_maskz_cvtph_ps(0x3, _mm_cvtsi32_si128(static_cast<int>(bits)));
+  return _mm_maskz_cvtph_ps(0x3, _mm_cvtsi32_si128(static_cast<int>(bits)));
+}
+
+// Those times the dx of activation record `rec`.
+WIDE_TARGET inline __m128 TimesDx(__m128 d, const uint8_t* rec) {
+  float dx;
+  std::memcpy(&dx, rec + kDxAt, sizeof(float));
   return _mm_mul_ps(d, _mm_set1_ps(dx));
 }
 
-WIDE_TARGET void DotQ4K(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows,
-                        const uint8_t* x, float* y) {
-  const int64_t nb = Blocks(k);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  // Scale unpacking on the block's first 16 bytes as dwords [d dmin, s0-3, s4-7, s8-11]:
-  // sc0-3 = s0-3 & 63, m0-3 = s4-7 & 63, sc4-7 = s8-11 & 15 | (s0-3 >> 6) << 4 and
-  // m4-7 = s8-11 >> 4 | (s4-7 >> 6) << 4, giving bytes [sc4-7, sc0-3, m0-3, m4-7].
-  const __m128i shift_m47 = _mm_set_epi32(4, 0, 0, 0);
-  const __m128i low_bits = _mm_set_epi32(0x0F0F0F0F, 0x3F3F3F3F, 0x3F3F3F3F, 0x0F0F0F0F);
-  const __m128i top_bits = _mm_set_epi32(0x30303030, 0, 0, 0x30303030);
-  // int16 scales for Dot2 of the low and high nibbles of qs[64v..64v+63]: 128-bit lanes 0-1
-  // hold sub-block 4v (words 0..3) and 4v + 1 (4..7), lanes 2-3 sub-blocks 4v + 2 and 4v + 3.
-  __m512i sc_at[2];
-  for (int v = 0; v < 2; ++v) {
-    sc_at[v] = Bytes([v](int j) {
-      const int sub = 4 * v + (j % 16 < 8 ? 0 : 1) + (j < 32 ? 0 : 2);
-      return j % 2 ? 0x80 : (sub + 4) % 8;
-    });
+// Q4_K for DotRows: constants, one unpacked superblock, one activation row's accumulator.
+struct Q4K {
+  static constexpr size_t kBytes = kQ4KBytes;
+  struct Block {
+    __m512i q[4];   // low and high nibbles of qs[0..63], then of qs[64..127]
+    __m512i sc[2];  // int16 scales for Dot2 of q[2v], q[2v + 1]
+    __m128i mins;   // int16 mins of the 8 sub-blocks
+    __m128 dm;      // d, dmin
+  };
+  struct Acc {
+    __m512 sum;   // d * dx * scale * q . x, per lane
+    __m128 mins;  // dmin * dx * min * (sub-block sums of x), per lane
+  };
+  __m512i nib, sc_at[2];
+  __m128i shift_m47, low_bits, top_bits, m_at;
+
+  WIDE_TARGET Q4K() {
+    nib = _mm512_set1_epi8(0x0F);
+    // Scale unpacking on the block's first 16 bytes as dwords [d dmin, s0-3, s4-7, s8-11]:
+    // sc0-3 = s0-3 & 63, m0-3 = s4-7 & 63, sc4-7 = s8-11 & 15 | (s0-3 >> 6) << 4 and
+    // m4-7 = s8-11 >> 4 | (s4-7 >> 6) << 4, giving bytes [sc4-7, sc0-3, m0-3, m4-7].
+    shift_m47 = _mm_set_epi32(4, 0, 0, 0);
+    low_bits = _mm_set_epi32(0x0F0F0F0F, 0x3F3F3F3F, 0x3F3F3F3F, 0x0F0F0F0F);
+    top_bits = _mm_set_epi32(0x30303030, 0, 0, 0x30303030);
+    // int16 scales for Dot2 of the low and high nibbles of qs[64v..64v+63]: 128-bit lanes 0-1
+    // hold sub-block 4v (words 0..3) and 4v + 1 (4..7), lanes 2-3 sub-blocks 4v + 2 and 4v + 3.
+    for (int v = 0; v < 2; ++v) {
+      sc_at[v] = Bytes([v](int j) {
+        const int sub = 4 * v + (j % 16 < 8 ? 0 : 1) + (j < 32 ? 0 : 2);
+        return j % 2 ? 0x80 : (sub + 4) % 8;
+      });
+    }
+    m_at = _mm_set_epi8(-1, 15, -1, 14, -1, 13, -1, 12, -1, 11, -1, 10, -1, 9, -1, 8);
   }
-  const __m128i m_at = _mm_set_epi8(-1, 15, -1, 14, -1, 13, -1, 12, -1, 11, -1, 10, -1, 9, -1, 8);
+
+  WIDE_TARGET Block Unpack(const uint8_t* blk) const {
+    Block u;
+    const __m128i head = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(head, 0xE7), shift_m47);
+    const __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(head, 0x81), 2);
+    const __m128i sm = _mm_ternarylogic_epi32(_mm_and_si128(low, low_bits), top, top_bits,
+                                              0xF8);  // low | top & top_bits
+    const __m512i sm4 = _mm512_broadcast_i32x4(sm);
+    for (int v = 0; v < 2; ++v) {
+      const __m512i q = Load64(blk + 16 + 64 * v);
+      u.q[2 * v] = _mm512_and_si512(q, nib);
+      u.q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), nib);
+      u.sc[v] = _mm512_shuffle_epi8(sm4, sc_at[v]);
+    }
+    u.mins = _mm_shuffle_epi8(sm, m_at);
+    u.dm = HalfScales(blk, 2);
+    return u;
+  }
+
+  static WIDE_TARGET Acc Zero() { return {_mm512_setzero_ps(), _mm_setzero_ps()}; }
+
+  static WIDE_TARGET void Add(const Block& u, const uint8_t* rec, Acc* acc) {
+    const int8_t* xq = reinterpret_cast<const int8_t*>(rec);
+    __m512i isum = _mm512_setzero_si512();
+    for (int v = 0; v < 2; ++v) {
+      isum = _mm512_dpwssd_epi32(
+          isum, Dot2(u.q[2 * v], xq + 128 * v, u.q[2 * v + 1], xq + 128 * v + 64), u.sc[v]);
+    }
+    const __m128i msum =
+        _mm_madd_epi16(u.mins, _mm_load_si128(reinterpret_cast<const __m128i*>(rec + kSumsAt)));
+    const __m128 d = TimesDx(u.dm, rec);
+    acc->sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_broadcastss_ps(d), acc->sum);
+    acc->mins = _mm_add_ps(acc->mins, _mm_mul_ps(_mm_cvtepi32_ps(msum), _mm_permute_ps(d, 0x55)));
+  }
+
+  static WIDE_TARGET float Sum(const Acc& acc) {
+    return _mm512_reduce_add_ps(_mm512_sub_ps(acc.sum, _mm512_zextps128_ps512(acc.mins)));
+  }
+};
+
+// Q6_K for DotRows, the same way.
+struct Q6K {
+  static constexpr size_t kBytes = kQ6KBytes;
+  struct Block {
+    __m512i q[4];   // 6-bit quants of weights 0..63, 64..127, 128..191, 192..255
+    __m512i sc[2];  // int16 scales for Dot2 of q[2h], q[2h + 1]
+    __m256i sc32;   // the 16 scales times 32, int16
+    __m128 d;       // d in lane 0
+  };
+  using Acc = __m512;  // d * dx * scale * (q - 32) . x, per lane
+  __m512i nib, bits45, lo_shift, hi_shift, sc_at[2];
+
+  WIDE_TARGET Q6K() {
+    nib = _mm512_set1_epi8(0x0F);
+    bits45 = _mm512_set1_epi8(0x30);
+    // Weight j of a 128-weight half: ql byte j % 64 (low nibble for j < 64, else high) and bit
+    // pair j / 32 of qh byte j % 32; qh is loaded into both 32-byte halves of a vector. The
+    // multishift picks, for each byte, the 8 bits from the pair's position minus 4.
+    lo_shift = Bytes([](int j) { return (8 * (j % 8) + (j < 32 ? 0 : 2) - 4) & 63; });
+    hi_shift = Bytes([](int j) { return 8 * (j % 8) + (j < 32 ? 4 : 6) - 4; });
+    // int16 scales for Dot2 of half h: 128-bit lane l holds sub-blocks 8h + l (words 0..3) and
+    // 8h + 4 + l (words 4..7); the bytes are picked from the sign-extended scales.
+    for (int h = 0; h < 2; ++h) {
+      sc_at[h] = Bytes([h](int j) { return 2 * (8 * h + j / 16 + (j % 16 < 8 ? 0 : 4)) + j % 2; });
+    }
+  }
+
+  WIDE_TARGET Block Unpack(const uint8_t* blk) const {
+    Block u;
+    const __m256i sc =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    u.sc32 = _mm256_slli_epi16(sc, 5);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = Load64(blk + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+      u.q[2 * h] = _mm512_ternarylogic_epi32(  // ql & nib | bits
+          ql, _mm512_and_si512(_mm512_multishift_epi64_epi8(lo_shift, qh), bits45), nib, 0xEC);
+      u.q[2 * h + 1] = _mm512_ternarylogic_epi32(
+          _mm512_srli_epi16(ql, 4),
+          _mm512_and_si512(_mm512_multishift_epi64_epi8(hi_shift, qh), bits45), nib, 0xEC);
+      u.sc[h] = _mm512_permutexvar_epi8(sc_at[h], _mm512_castsi256_si512(sc));
+    }
+    u.d = HalfScales(blk + 208, 1);
+    return u;
+  }
+
+  static WIDE_TARGET Acc Zero() { return _mm512_setzero_ps(); }
+
+  static WIDE_TARGET void Add(const Block& u, const uint8_t* rec, Acc* acc) {
+    const int8_t* xq = reinterpret_cast<const int8_t*>(rec);
+    // -32 * sum(scale * x), as 32 * scale times the negated sums
+    __m512i isum = _mm512_zextsi256_si512(_mm256_madd_epi16(
+        u.sc32, _mm256_load_si256(reinterpret_cast<const __m256i*>(rec + kSumsAt))));
+    for (int h = 0; h < 2; ++h) {
+      isum = _mm512_dpwssd_epi32(
+          isum, Dot2(u.q[2 * h], xq + 128 * h, u.q[2 * h + 1], xq + 128 * h + 64), u.sc[h]);
+    }
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_broadcastss_ps(TimesDx(u.d, rec)),
+                           *acc);
+  }
+
+  static WIDE_TARGET float Sum(const Acc& acc) { return _mm512_reduce_add_ps(acc); }
+};
+
+// y[i][r] = W[r] . x_i for r < nrows and M activation rows x_i = x + i * x_row (x_row a
+// multiple of 64). With M > 1 a row's superblocks take M times as long, and the hardware
+// prefetchers no longer keep W streaming from memory (measured: 15-30% of the time at M = 8);
+// so each superblock prefetches the same superblock of the next row, a row's time ahead.
+template <class T, int M>
+WIDE_TARGET void DotRows(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows,
+                         const uint8_t* x, size_t x_row, float* const* y) {
+  const T t;
+  const int64_t nb = Blocks(k);
   for (int64_t r = 0; r < nrows; ++r) {
     const uint8_t* row = w + r * w_row;
-    __m512 acc = _mm512_setzero_ps();
-    __m128 acc_min = _mm_setzero_ps();
+    typename T::Acc acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = T::Zero();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * kQ4KBytes;
-      const uint8_t* rec = x + b * kRecord;
-      const int8_t* xq = reinterpret_cast<const int8_t*>(rec);
-      float dx;
-      std::memcpy(&dx, rec + kDxAt, sizeof(float));
-      const __m128i head = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-      const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(head, 0xE7), shift_m47);
-      const __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(head, 0x81), 2);
-      const __m128i sm = _mm_ternarylogic_epi32(_mm_and_si128(low, low_bits), top, top_bits,
-                                                0xF8);  // low | top & top_bits
-      const __m512i sm4 = _mm512_broadcast_i32x4(sm);
-      __m512i isum = _mm512_setzero_si512();
-      for (int v = 0; v < 2; ++v) {
-        const __m512i q = Load64(blk + 16 + 64 * v);
-        const __m512i lo = _mm512_and_si512(q, nib);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), nib);
-        isum = _mm512_dpwssd_epi32(isum, Dot2(lo, xq + 128 * v, hi, xq + 128 * v + 64),
-                                   _mm512_shuffle_epi8(sm4, sc_at[v]));
+      if (M > 1 && r + 1 < nrows) {
+        const char* next = reinterpret_cast<const char*>(row + w_row + b * T::kBytes);
+        for (size_t o = 0; o < T::kBytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
       }
-      const __m128i msum = _mm_madd_epi16(
-          _mm_shuffle_epi8(sm, m_at),
-          _mm_load_si128(reinterpret_cast<const __m128i*>(rec + kSumsAt)));
-      const __m128 d = Scales(blk, 2, dx);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_broadcastss_ps(d), acc);
-      acc_min = _mm_add_ps(acc_min, _mm_mul_ps(_mm_cvtepi32_ps(msum), _mm_permute_ps(d, 0x55)));
+      const typename T::Block u = t.Unpack(row + b * T::kBytes);
+      for (int i = 0; i < M; ++i) T::Add(u, x + i * x_row + b * kRecord, &acc[i]);
     }
-    y[r] = _mm512_reduce_add_ps(_mm512_sub_ps(acc, _mm512_zextps128_ps512(acc_min)));
+    for (int i = 0; i < M; ++i) y[i][r] = T::Sum(acc[i]);
   }
 }
 
-WIDE_TARGET void DotQ6K(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows,
-                        const uint8_t* x, float* y) {
-  const int64_t nb = Blocks(k);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512i bits45 = _mm512_set1_epi8(0x30);
-  // Weight j of a 128-weight half: ql byte j % 64 (low nibble for j < 64, else high) and bit
-  // pair j / 32 of qh byte j % 32; qh is loaded into both 32-byte halves of a vector. The
-  // multishift picks, for each byte, the 8 bits from the pair's position minus 4.
-  const __m512i lo_shift = Bytes([](int j) { return (8 * (j % 8) + (j < 32 ? 0 : 2) - 4) & 63; });
-  const __m512i hi_shift = Bytes([](int j) { return 8 * (j % 8) + (j < 32 ? 4 : 6) - 4; });
-  // int16 scales for Dot2 of half h: 128-bit lane l holds sub-blocks 8h + l (words 0..3) and
-  // 8h + 4 + l (words 4..7); the bytes are picked from the sign-extended scales.
-  __m512i sc_at[2];
-  for (int h = 0; h < 2; ++h) {
-    sc_at[h] = Bytes([h](int j) { return 2 * (8 * h + j / 16 + (j % 16 < 8 ? 0 : 4)) + j % 2; });
-  }
-  for (int64_t r = 0; r < nrows; ++r) {
-    const uint8_t* row = w + r * w_row;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * kQ6KBytes;
-      const uint8_t* rec = x + b * kRecord;
-      const int8_t* xq = reinterpret_cast<const int8_t*>(rec);
-      float dx;
-      std::memcpy(&dx, rec + kDxAt, sizeof(float));
-      const __m256i sc =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      const __m512i sc512 = _mm512_castsi256_si512(sc);
-      // -32 * sum(scale * x), as 32 * scale times the negated sums
-      __m512i isum = _mm512_zextsi256_si512(_mm256_madd_epi16(
-          _mm256_slli_epi16(sc, 5),
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(rec + kSumsAt))));
-      for (int h = 0; h < 2; ++h) {
-        const __m512i ql = Load64(blk + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
-        const __m512i lo = _mm512_ternarylogic_epi32(  // ql & nib | bits
-            ql, _mm512_and_si512(_mm512_multishift_epi64_epi8(lo_shift, qh), bits45), nib, 0xEC);
-        const __m512i hi = _mm512_ternarylogic_epi32(
-            _mm512_srli_epi16(ql, 4),
-            _mm512_and_si512(_mm512_multishift_epi64_epi8(hi_shift, qh), bits45), nib, 0xEC);
-        isum = _mm512_dpwssd_epi32(isum, Dot2(lo, xq + 128 * h, hi, xq + 128 * h + 64),
-                                   _mm512_permutexvar_epi8(sc_at[h], sc512));
-      }
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                            _mm512_broadcastss_ps(Scales(blk + 208, 1, dx)), acc);
-    }
-    y[r] = _mm512_reduce_add_ps(acc);
-  }
+// dot_rows and dot_rows_multi (1 <= m <= kMaxMulti) of one type.
+template <class T>
+void DotOne(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
+            float* y) {
+  DotRows<T, 1>(k, w, w_row, nrows, x, 0, &y);
 }
 
-const WideKernel kQ4K = {RowBytes, RelayoutQ4K, DotQ4K};
-const WideKernel kQ6K = {RowBytes, RelayoutQ6K, DotQ6K};
+template <class T>
+void DotMulti(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
+              size_t x_row, int64_t m, float* const* y) {
+  using Fn = void (*)(int64_t, const uint8_t*, size_t, int64_t, const uint8_t*, size_t,
+                      float* const*);
+  static constexpr Fn kByM[kMaxMulti] = {DotRows<T, 1>, DotRows<T, 2>, DotRows<T, 3>,
+                                         DotRows<T, 4>, DotRows<T, 5>, DotRows<T, 6>,
+                                         DotRows<T, 7>, DotRows<T, 8>};
+  kByM[m - 1](k, w, w_row, nrows, x, x_row, y);
+}
+
+const WideKernel kQ4K = {RowBytes, RelayoutQ4K, DotOne<Q4K>, DotMulti<Q4K>};
+const WideKernel kQ6K = {RowBytes, RelayoutQ6K, DotOne<Q6K>, DotMulti<Q6K>};
 
 }  // namespace
 

@@ -150,63 +150,107 @@ WIDE_TARGET inline void LoadGroup(const uint8_t* p, size_t bytes, __m512i* a, __
   }
 }
 
-template <bool kMin>
+// The loops take M activation rows at once: each weight group is loaded and unpacked once,
+// then multiplied with every row's quants (one accumulator per row, in registers). M = 1 is
+// the decode product (dot_rows); dot_rows_multi dispatches M = 1..kMaxMulti.
+template <bool kMin, int M>
 WIDE_TARGET void DotQ4(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows,
-                       const uint8_t* x, float* y) {
+                       const uint8_t* x, size_t x_row, float* const* y) {
   const size_t block = kMin ? kQ41Bytes : kQ40Bytes;
   const Perms perm = MakePerms(block, kMin ? 4 : 2, 4);
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const int64_t nb = Blocks(k);
   for (int64_t r = 0; r < nrows; ++r) {
     const uint8_t* row = w + r * w_row;
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 4) {
-      const uint8_t* g = x + (b / 4) * kGroup4Bytes;
-      __m512i lo, hi;
-      LoadGroup(row + b * block, static_cast<size_t>(std::min<int64_t>(4, nb - b)) * block, &lo,
-                &hi);
-      const __m512i raw = lo;
-      const __m512i qs = _mm512_permutex2var_epi8(lo, perm.qs, hi);
-      const __m512i a = kMin ? _mm512_setzero_si512() : _mm512_load_si512(g + 192);
-      __m512i dot = _mm512_dpbusd_epi32(a, _mm512_and_si512(qs, nib), _mm512_load_si512(g));
-      dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(qs, 4), nib),
-                                _mm512_load_si512(g + 64));
-      const __m512 dx = _mm512_load_ps(g + 128);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(Halves(raw, perm.scale), dx),
-                            acc);
-      if (kMin) acc = _mm512_fmadd_ps(Halves(raw, perm.min), _mm512_load_ps(g + 192), acc);
+      __m512i raw, rest;
+      LoadGroup(row + b * block, static_cast<size_t>(std::min<int64_t>(4, nb - b)) * block,
+                &raw, &rest);
+      const __m512i qs = _mm512_permutex2var_epi8(raw, perm.qs, rest);
+      const __m512i lo = _mm512_and_si512(qs, nib);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), nib);
+      const __m512 dw = Halves(raw, perm.scale);
+      const __m512 mw = kMin ? Halves(raw, perm.min) : _mm512_setzero_ps();
+      for (int i = 0; i < M; ++i) {
+        const uint8_t* g = x + i * x_row + (b / 4) * kGroup4Bytes;
+        const __m512i a = kMin ? _mm512_setzero_si512() : _mm512_load_si512(g + 192);
+        __m512i dot = _mm512_dpbusd_epi32(a, lo, _mm512_load_si512(g));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_load_si512(g + 64));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                 _mm512_mul_ps(dw, _mm512_load_ps(g + 128)), acc[i]);
+        if (kMin) acc[i] = _mm512_fmadd_ps(mw, _mm512_load_ps(g + 192), acc[i]);
+      }
     }
-    y[r] = _mm512_reduce_add_ps(acc);
+    for (int i = 0; i < M; ++i) y[i][r] = _mm512_reduce_add_ps(acc[i]);
   }
 }
 
+template <int M>
 WIDE_TARGET void DotQ80(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows,
-                        const uint8_t* x, float* y) {
+                        const uint8_t* x, size_t x_row, float* const* y) {
   const Perms perm = MakePerms(kQ80Bytes, 2, 2);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t nb = Blocks(k);
   for (int64_t r = 0; r < nrows; ++r) {
     const uint8_t* row = w + r * w_row;
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 2) {
-      const uint8_t* g = x + (b / 2) * kGroup8Bytes;
-      __m512i lo, hi;
+      __m512i raw, rest;
       LoadGroup(row + b * kQ80Bytes,
-                static_cast<size_t>(std::min<int64_t>(2, nb - b)) * kQ80Bytes, &lo, &hi);
+                static_cast<size_t>(std::min<int64_t>(2, nb - b)) * kQ80Bytes, &raw, &rest);
       // w + 128 as unsigned bytes; aux holds -128 * sum(x) to take it back out
-      const __m512i qs = _mm512_xor_si512(_mm512_permutex2var_epi8(lo, perm.qs, hi), flip);
-      const __m512i dot =
-          _mm512_dpbusd_epi32(_mm512_load_si512(g + 128), qs, _mm512_load_si512(g));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                            _mm512_mul_ps(Halves(lo, perm.scale), _mm512_load_ps(g + 64)), acc);
+      const __m512i qs = _mm512_xor_si512(_mm512_permutex2var_epi8(raw, perm.qs, rest), flip);
+      const __m512 dw = Halves(raw, perm.scale);
+      for (int i = 0; i < M; ++i) {
+        const uint8_t* g = x + i * x_row + (b / 2) * kGroup8Bytes;
+        const __m512i dot =
+            _mm512_dpbusd_epi32(_mm512_load_si512(g + 128), qs, _mm512_load_si512(g));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                 _mm512_mul_ps(dw, _mm512_load_ps(g + 64)), acc[i]);
+      }
     }
-    y[r] = _mm512_reduce_add_ps(acc);
+    for (int i = 0; i < M; ++i) y[i][r] = _mm512_reduce_add_ps(acc[i]);
   }
 }
 
-const WideKernel kQ40 = {Row4, RelayoutQ40, DotQ4<false>};
-const WideKernel kQ41 = {Row4, RelayoutQ41, DotQ4<true>};
-const WideKernel kQ80 = {Row8, RelayoutQ80, DotQ80};
+using MultiFn = void (*)(int64_t, const uint8_t*, size_t, int64_t, const uint8_t*, size_t,
+                         float* const*);
+
+// dot_rows and dot_rows_multi of one loop template (Loop<M> for M = 1..kMaxMulti).
+template <template <int> class Loop>
+struct Entry {
+  static void One(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
+                  float* y) {
+    Loop<1>::Run(k, w, w_row, nrows, x, 0, &y);
+  }
+  static void Multi(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
+                    size_t x_row, int64_t m, float* const* y) {
+    static constexpr MultiFn kByM[kMaxMulti] = {Loop<1>::Run, Loop<2>::Run, Loop<3>::Run,
+                                                Loop<4>::Run, Loop<5>::Run, Loop<6>::Run,
+                                                Loop<7>::Run, Loop<8>::Run};
+    kByM[m - 1](k, w, w_row, nrows, x, x_row, y);
+  }
+};
+
+template <int M>
+struct Q40Loop {
+  static constexpr MultiFn Run = DotQ4<false, M>;
+};
+template <int M>
+struct Q41Loop {
+  static constexpr MultiFn Run = DotQ4<true, M>;
+};
+template <int M>
+struct Q80Loop {
+  static constexpr MultiFn Run = DotQ80<M>;
+};
+
+const WideKernel kQ40 = {Row4, RelayoutQ40, Entry<Q40Loop>::One, Entry<Q40Loop>::Multi};
+const WideKernel kQ41 = {Row4, RelayoutQ41, Entry<Q41Loop>::One, Entry<Q41Loop>::Multi};
+const WideKernel kQ80 = {Row8, RelayoutQ80, Entry<Q80Loop>::One, Entry<Q80Loop>::Multi};
 
 }  // namespace
 
