@@ -43,6 +43,9 @@ def test_status_table_and_json(cluster3: Cluster, tmp_path: pathlib.Path) -> Non
     assert list(blocks) == cluster3.addresses[:2]
     for k, lines in enumerate(blocks.values()):
         assert "uptime=" in lines[0] and "device=cpu:0" in lines[0]
+        (kern,) = [line for line in lines if "cpu kernels: " in line]
+        info = replies[k]["kernels"]
+        assert f"dot products {info['isa']}, threads auto ({info['cpus']} CPUs)" in kern, kern
         (cache,) = [line for line in lines if "artifacts cached: " in line]
         assert " of 4.0 GB); " in cache, cache
         (row,) = [line for line in lines if pipe.pipeline_id in line]

@@ -150,6 +150,9 @@ def test_worker_info_advertises_its_kernels(workers) -> None:
     assert k_plain.version.startswith(f"{kernels.ABI_VERSION}+ggml-")
     assert tuple(k_plain.types) == kernels.KERNEL_TYPES
     assert set(k_plain.targets) == kernels.OWN_TARGETS and not k_plain.unavailable_reason
+    # the worker's dot products and CPUs are this process's (same machine, same library)
+    here = kernels.load()
+    assert (k_plain.isa, k_plain.cpus) == (here.isa, here.cpus) and k_plain.cpus >= 1
     assert (k_bare.version, list(k_bare.types), list(k_bare.targets)) == ("", [], [])
     assert k_bare.unavailable_reason == "disabled (--no-kernels)"
 

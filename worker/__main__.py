@@ -217,8 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     kern = p.add_argument_group("CPU kernels", "native kernels for quantized GGUF weights "
                                 "(jaxdist.core.kernels; built on first start, then cached)")
     kern.add_argument("--kernel-threads", type=int, default=0, metavar="N",
-                      help="threads per kernel call; 0: one per core, the caller included "
-                           "(default %(default)s)")
+                      help="threads per kernel call; 0: one per CPU this process may use "
+                           "(its affinity mask, capped by a cgroup CPU quota), the caller "
+                           "included (default %(default)s)")
     kern.add_argument("--no-kernels", action="store_true",
                       help="register no kernels: advertise none, so coordinators bind this "
                            "worker's weights dequantized")

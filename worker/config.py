@@ -54,4 +54,4 @@ class WorkerConfig:
     # whether its token may go to them in plaintext (--insecure-token): transport/trust.py
     peer_trust: PeerTrust = field(default_factory=PeerTrust)
     kernels: bool = True                              # register the CPU kernels (cpu workers)
-    kernel_threads: int = 0                           # threads per kernel call; 0: XLA's pool
+    kernel_threads: int = 0                           # threads per kernel call; 0: the process's CPUs
