@@ -8,7 +8,8 @@ may be shared), the plots, and how to reproduce. Hand-written analysis lives in 
 which this script never touches.
 
 Order: limits, transport, decode, llamacpp (only with ``--with-llamacpp``; right after decode,
-whose records it compares against), decode_floor, scaling, memory, deploy, serve (llama-server too when
+whose records it compares against), cpu_step (also only with ``--with-llamacpp``: the decode step
+against llama.cpp on SmolLM2 and on generated 0.92B models), decode_floor, scaling, memory, deploy, serve (llama-server too when
 bench/serve.py finds it built), soak (only with ``--with-soak``:
 a stability run, 4 minutes here), chaos (only with ``--with-chaos``: workers killed and
 restarted under load, 4 minutes here; run ``bench/chaos.py`` alone for the full 30). A benchmark that fails or times out is reported as such in
@@ -44,10 +45,10 @@ import _common as c
 import report
 
 OUT = HERE / "out"
-BENCHES = ("limits", "transport", "decode", "llamacpp", "decode_floor", "scaling", "memory",
-           "deploy", "serve", "soak", "chaos")
-OPT_IN = {"llamacpp": "with_llamacpp", "soak": "with_soak",  # benchmark -> option that runs it
-          "chaos": "with_chaos"}
+BENCHES = ("limits", "transport", "decode", "llamacpp", "cpu_step", "decode_floor", "scaling",
+           "memory", "deploy", "serve", "soak", "chaos")
+OPT_IN = {"llamacpp": "with_llamacpp", "cpu_step": "with_llamacpp",  # benchmark -> its option
+          "soak": "with_soak", "chaos": "with_chaos"}
 SOAK_MINUTES = "4"   # bench/soak.py defaults to 10 minutes; here it keeps to the 5-minute budget
 TIMEOUT_S = 600          # a benchmark is meant to take under 300 s; this only stops a hang
 BUDGET_S = 300
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="every benchmark with --quick")
     p.add_argument("--with-llamacpp", action="store_true",
-                   help="also run bench/llamacpp.py (builds llama.cpp on first use)")
+                   help="also run bench/llamacpp.py and bench/cpu_step.py (builds llama.cpp "
+                        "on first use)")
     p.add_argument("--with-soak", action="store_true",
                    help=f"also run bench/soak.py ({SOAK_MINUTES} minutes, 1 with --quick): "
                         "worker memory must stay flat under continuous generation")

@@ -39,7 +39,7 @@ from jaxdist.launch.ray import bundle_device
 PROMPTS = [[5, 17, 99, 3], [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180, 7], [42], [100, 101, 102]]
 LENGTHS = [20, 16, 24, 12]
 MAX_SLOTS, MAX_SEQ = 4, 64
-RAY_STARTS = 3  # attempts at starting the local Ray instance (see ray_instance)
+RAY_STARTS = 5  # attempts at starting the local Ray instance (see ray_instance)
 RAY_START_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 HALF_CPU = {"CPU": 0.5}  # three workers (two and a spare) fit in the 2 CPUs of this instance
 

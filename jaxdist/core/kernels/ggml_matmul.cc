@@ -56,7 +56,8 @@ constexpr int kAbiVersion = 2;
 constexpr int kTypes[] = {GGML_TYPE_F16,  GGML_TYPE_BF16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1,
                           GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_Q2_K,
                           GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
-constexpr int64_t kRowsPerChunk = 16;  // rows of W per claimed unit of work
+constexpr int64_t kRowsPerChunk = 16;  // rows of W per claimed unit of work (the least)
+constexpr int64_t kChunkBytes = int64_t{128} << 10;  // W per chunk of a several-row product
 constexpr int64_t kActBlock = 64;      // rows of x kept hot per pass over a chunk
 // Below these sizes one thread runs. A one-row product (decode) is bound by how fast one core
 // takes in W's blocks (about 15-20 GB/s here, half the memory's rate), so a second thread
@@ -403,6 +404,14 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     // still let the caller take over the chunks of a helper that starts late.
     const int64_t per = (n + 2 * Threads() - 1) / (2 * Threads());
     job->chunk_rows = std::max(kRowsPerChunk, (per + kRowsPerChunk - 1) / kRowsPerChunk *
+                                                  kRowsPerChunk);
+  } else if (wide != nullptr) {
+    // Several rows: each chunk of W is read once and stays in cache while every group of x's
+    // rows passes over it, so x (MBs for a long prefill chunk) is re-read once per chunk; a
+    // chunk of about kChunkBytes keeps that traffic small and W within a core's L2.
+    const int64_t rows_fit = kChunkBytes / static_cast<int64_t>(w_row);
+    const int64_t most = std::max<int64_t>(1, n / (2 * Threads()));  // two chunks per thread
+    job->chunk_rows = std::max(kRowsPerChunk, std::min(rows_fit, most) / kRowsPerChunk *
                                                   kRowsPerChunk);
   }
   job->chunks = (n + job->chunk_rows - 1) / job->chunk_rows;

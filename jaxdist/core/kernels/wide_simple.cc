@@ -150,6 +150,15 @@ WIDE_TARGET inline void LoadGroup(const uint8_t* p, size_t bytes, __m512i* a, __
   }
 }
 
+// With M > 1 a row's groups take M times as long and the hardware prefetchers no longer keep W
+// streaming from memory, so each group prefetches the same group of the next row (as
+// wide_kquants.cc does; a prefetch never faults, so a partial last group may reach past it).
+WIDE_TARGET inline void Prefetch(const uint8_t* p, size_t bytes) {
+  for (size_t o = 0; o < bytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+  }
+}
+
 // The loops take M activation rows at once: each weight group is loaded and unpacked once,
 // then multiplied with every row's quants (one accumulator per row, in registers). M = 1 is
 // the decode product (dot_rows); dot_rows_multi dispatches M = 1..kMaxMulti.
@@ -165,6 +174,7 @@ WIDE_TARGET void DotQ4(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows,
     __m512 acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 4) {
+      if (M > 1 && r + 1 < nrows) Prefetch(row + w_row + b * block, 4 * block);
       __m512i raw, rest;
       LoadGroup(row + b * block, static_cast<size_t>(std::min<int64_t>(4, nb - b)) * block,
                 &raw, &rest);
@@ -198,6 +208,7 @@ WIDE_TARGET void DotQ80(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows
     __m512 acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 2) {
+      if (M > 1 && r + 1 < nrows) Prefetch(row + w_row + b * kQ80Bytes, 2 * kQ80Bytes);
       __m512i raw, rest;
       LoadGroup(row + b * kQ80Bytes,
                 static_cast<size_t>(std::min<int64_t>(2, nb - b)) * kQ80Bytes, &raw, &rest);
