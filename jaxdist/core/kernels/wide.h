@@ -15,6 +15,9 @@
 #include <cstddef>
 #include <cstdint>
 
+// The instruction sets every wide function is compiled for (the library itself is not).
+#define WIDE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
+
 namespace jaxdist_wide {
 
 struct WideKernel {
@@ -35,6 +38,27 @@ struct WideKernel {
 };
 
 constexpr int64_t kMaxMulti = 8;
+
+// A product loop for M activation rows at once, M a template argument so the accumulators stay
+// in registers: Loop<M>::Run(k, w, w_row, nrows, x, x_row, y).
+using LoopFn = void (*)(int64_t, const uint8_t*, size_t, int64_t, const uint8_t*, size_t,
+                        float* const*);
+
+// dot_rows and dot_rows_multi of such a loop: M = 1, and M = 1..kMaxMulti picked from a table.
+template <template <int> class Loop>
+struct Entry {
+  static void One(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
+                  float* y) {
+    Loop<1>::Run(k, w, w_row, nrows, x, 0, &y);
+  }
+  static void Multi(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
+                    size_t x_row, int64_t m, float* const* y) {
+    static constexpr LoopFn kByM[kMaxMulti] = {Loop<1>::Run, Loop<2>::Run, Loop<3>::Run,
+                                               Loop<4>::Run, Loop<5>::Run, Loop<6>::Run,
+                                               Loop<7>::Run, Loop<8>::Run};
+    kByM[m - 1](k, w, w_row, nrows, x, x_row, y);
+  }
+};
 
 // True when this CPU has everything the wide kernels use (checked once).
 bool WideIsaSupported();

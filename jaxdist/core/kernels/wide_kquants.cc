@@ -40,8 +40,6 @@
 namespace jaxdist_wide {
 namespace {
 
-#define WIDE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
-
 constexpr int64_t kQK = 256;        // weights per superblock
 constexpr size_t kQ8KBytes = 292;   // ggml's block_q8_K: float d, int8 qs[256], int16 bsums[16]
 constexpr size_t kQ4KBytes = 144;   // block_q4_K
@@ -290,26 +288,18 @@ WIDE_TARGET void DotRows(int64_t k, const uint8_t* w, size_t w_row, int64_t nrow
   }
 }
 
-// dot_rows and dot_rows_multi (1 <= m <= kMaxMulti) of one type.
-template <class T>
-void DotOne(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
-            float* y) {
-  DotRows<T, 1>(k, w, w_row, nrows, x, 0, &y);
-}
+// Each type's loop for wide.h's Entry (dot_rows and dot_rows_multi).
+template <int M>
+struct Q4KLoop {
+  static constexpr LoopFn Run = DotRows<Q4K, M>;
+};
+template <int M>
+struct Q6KLoop {
+  static constexpr LoopFn Run = DotRows<Q6K, M>;
+};
 
-template <class T>
-void DotMulti(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
-              size_t x_row, int64_t m, float* const* y) {
-  using Fn = void (*)(int64_t, const uint8_t*, size_t, int64_t, const uint8_t*, size_t,
-                      float* const*);
-  static constexpr Fn kByM[kMaxMulti] = {DotRows<T, 1>, DotRows<T, 2>, DotRows<T, 3>,
-                                         DotRows<T, 4>, DotRows<T, 5>, DotRows<T, 6>,
-                                         DotRows<T, 7>, DotRows<T, 8>};
-  kByM[m - 1](k, w, w_row, nrows, x, x_row, y);
-}
-
-const WideKernel kQ4K = {RowBytes, RelayoutQ4K, DotOne<Q4K>, DotMulti<Q4K>};
-const WideKernel kQ6K = {RowBytes, RelayoutQ6K, DotOne<Q6K>, DotMulti<Q6K>};
+const WideKernel kQ4K = {RowBytes, RelayoutQ4K, Entry<Q4KLoop>::One, Entry<Q4KLoop>::Multi};
+const WideKernel kQ6K = {RowBytes, RelayoutQ6K, Entry<Q6KLoop>::One, Entry<Q6KLoop>::Multi};
 
 }  // namespace
 

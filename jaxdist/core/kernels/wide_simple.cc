@@ -32,8 +32,6 @@
 namespace jaxdist_wide {
 namespace {
 
-#define WIDE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
-
 constexpr int64_t kQK = 32;              // elements per block (all three types)
 constexpr size_t kQ40Bytes = 18;         // ggml's block_q4_0: f16 d, 16 bytes of nibbles
 constexpr size_t kQ41Bytes = 20;         // block_q4_1: f16 d, f16 m, 16 bytes of nibbles
@@ -227,36 +225,17 @@ WIDE_TARGET void DotQ80(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows
   }
 }
 
-using MultiFn = void (*)(int64_t, const uint8_t*, size_t, int64_t, const uint8_t*, size_t,
-                         float* const*);
-
-// dot_rows and dot_rows_multi of one loop template (Loop<M> for M = 1..kMaxMulti).
-template <template <int> class Loop>
-struct Entry {
-  static void One(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
-                  float* y) {
-    Loop<1>::Run(k, w, w_row, nrows, x, 0, &y);
-  }
-  static void Multi(int64_t k, const uint8_t* w, size_t w_row, int64_t nrows, const uint8_t* x,
-                    size_t x_row, int64_t m, float* const* y) {
-    static constexpr MultiFn kByM[kMaxMulti] = {Loop<1>::Run, Loop<2>::Run, Loop<3>::Run,
-                                                Loop<4>::Run, Loop<5>::Run, Loop<6>::Run,
-                                                Loop<7>::Run, Loop<8>::Run};
-    kByM[m - 1](k, w, w_row, nrows, x, x_row, y);
-  }
-};
-
 template <int M>
 struct Q40Loop {
-  static constexpr MultiFn Run = DotQ4<false, M>;
+  static constexpr LoopFn Run = DotQ4<false, M>;
 };
 template <int M>
 struct Q41Loop {
-  static constexpr MultiFn Run = DotQ4<true, M>;
+  static constexpr LoopFn Run = DotQ4<true, M>;
 };
 template <int M>
 struct Q80Loop {
-  static constexpr MultiFn Run = DotQ80<M>;
+  static constexpr LoopFn Run = DotQ80<M>;
 };
 
 const WideKernel kQ40 = {Row4, RelayoutQ40, Entry<Q40Loop>::One, Entry<Q40Loop>::Multi};
