@@ -36,7 +36,7 @@ from jaxdist.core.errors import SpecError
 from jaxdist.core.weights import WeightInfo
 from jaxdist.core.weights.gguf import metadata as gguf_metadata
 from jaxdist.core.weights.uri import resolve_path
-from jaxdist.export.buckets import step_buckets
+from jaxdist.export.buckets import prefill_rows, step_buckets
 from jaxdist.export.causal_lm import STEP_CONTROL, CausalLM, step_signature
 from jaxdist.export.model import Model, Param, Unit
 from jaxdist.export.plugins import LoadedModel
@@ -269,7 +269,9 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
         dtype: weight, activation and KV-cache dtype (``float32``, ``bfloat16``, ``float16``);
             LayerNorm, attention scores and logits are computed in float32.
         return_logits: the head also returns the last position's ``logits (b, vocab)``.
-        prefill_buckets: prompt lengths compiled ahead of time (``b = 1``), besides decode.
+        prefill_buckets: prompt lengths compiled ahead of time, besides decode: one prompt
+            per step at each, and several at the smallest (see
+            :func:`jaxdist.export.buckets.step_buckets`).
         headers: read a GGUF file's headers there instead of under ``roots`` (see
             :func:`jaxdist.exporters.source.open_source`).
 
@@ -325,6 +327,7 @@ def gpt2_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4
     inputs = step_signature()
     meta = {"family": "gpt2", "config": cfg, "eos_ids": cfg.eos_ids, "bos_id": cfg.bos_id,
             "max_slots": max_slots, "max_seq": max_seq, "prefill_buckets": prefill,
+            "prefill_rows": prefill_rows(max_slots, prefill),
             "tokenizer": {kind: path}, "return_logits": return_logits}
     return Model(Path(path).name or path, units, inputs, buckets=buckets, meta=meta,
                  control=STEP_CONTROL)
@@ -359,6 +362,7 @@ class _GPT2Exporter:
         meta = model.meta
         lm = CausalLM(max_slots=meta["max_slots"], max_seq=meta["max_seq"],
                       prefill_buckets=meta["prefill_buckets"],
+                      prefill_rows=meta["prefill_rows"],
                       input_dtypes={k: dtype for k, (_, dtype) in model.inputs.items()},
                       eos_ids=tuple(eos))
         return LoadedModel(model, kind="causal-lm", tokenizer=tokenizer, architecture=arch,

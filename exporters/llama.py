@@ -50,7 +50,7 @@ from jax import lax
 from jaxdist.core.errors import SpecError
 from jaxdist.core.kernels import ops
 from jaxdist.core.weights import WeightInfo
-from jaxdist.export.buckets import step_buckets
+from jaxdist.export.buckets import prefill_rows, step_buckets
 from jaxdist.export.causal_lm import STEP_CONTROL, CausalLM, step_signature
 from jaxdist.export.model import Model, Unit
 from jaxdist.export.plugins import LoadedModel
@@ -323,7 +323,9 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
         dtype: weight, activation and KV-cache dtype (``float32``, ``bfloat16``, ``float16``);
             norms, RoPE, attention scores and logits are computed in float32.
         return_logits: the head also returns the last position's ``logits (b, vocab)``.
-        prefill_buckets: prompt lengths compiled ahead of time (``b = 1``), besides decode.
+        prefill_buckets: prompt lengths compiled ahead of time, besides decode: one prompt
+            per step at each, and several at the smallest (see
+            :func:`jaxdist.export.buckets.step_buckets`).
         quantized: keep a GGUF file's quantized (and F16/BF16) matrices as stored, packed,
             multiplied by the CPU kernels or dequantized in the graph on GPU/TPU
             (:mod:`jaxdist.core.kernels.ops`); ``False`` dequantizes every weight to ``dtype`` when
@@ -396,6 +398,7 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
     inputs = step_signature()
     meta = {"family": "llama", "config": cfg, "eos_ids": cfg.eos_ids, "bos_id": cfg.bos_id,
             "max_slots": max_slots, "max_seq": max_seq, "prefill_buckets": prefill,
+            "prefill_rows": prefill_rows(max_slots, prefill),
             "tokenizer": {kind: path}, "return_logits": return_logits}
     return Model(Path(path).name or path, units, inputs, buckets=buckets, meta=meta,
                  control=STEP_CONTROL)
@@ -423,6 +426,7 @@ class _LlamaExporter:
         extra = tokenizer.eos_ids if tokenizer is not None else ()
         lm = CausalLM(max_slots=meta["max_slots"], max_seq=meta["max_seq"],
                       prefill_buckets=meta["prefill_buckets"],
+                      prefill_rows=meta["prefill_rows"],
                       input_dtypes={k: dtype for k, (_, dtype) in model.inputs.items()},
                       eos_ids=tuple(dict.fromkeys([*meta["eos_ids"], *sorted(extra)])),
                       # informational (nothing reads it), recorded since the first manifests

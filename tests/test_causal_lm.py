@@ -112,7 +112,18 @@ def test_eos_ids_default_to_none_and_unknown_keys_are_kept() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Exporters write what they wrote before
+# Exporters write what they wrote before, plus prefill_rows where prompts can share a step
+
+
+def _with_prefill_rows(options: dict[str, Any]) -> dict[str, Any]:
+    """The options an exporter writes now: the golden ones, with ``prefill_rows`` (every slot)
+    after ``prefill_buckets`` when there are several slots."""
+    out: dict[str, Any] = {}
+    for k, v in options.items():
+        out[k] = v
+        if k == "prefill_buckets" and options["max_slots"] > 1:
+            out["prefill_rows"] = options["max_slots"]
+    return out
 
 
 def test_llama_exporter_writes_the_old_options(tmp_path: pathlib.Path) -> None:
@@ -121,7 +132,7 @@ def test_llama_exporter_writes_the_old_options(tmp_path: pathlib.Path) -> None:
     loaded = load_model("tiny", roots=[str(tmp_path)], **section["export_options"])
     assert loaded.kind == "causal-lm" and loaded.causal_lm is not None
     assert loaded.causal_lm == CausalLM.from_options(section["options"], inputs=_inputs(section))
-    assert json.dumps(loaded.options) == json.dumps(section["options"])
+    assert json.dumps(loaded.options) == json.dumps(section["options"])  # one slot: as before
     assert loaded.causal_lm.extra == {"bos_id": None}
 
 
@@ -134,7 +145,8 @@ def test_smollm2_exporter_writes_the_old_options() -> None:
         pytest.skip(str(exc))
     section = _golden("smollm2")
     loaded = load_model(path.name, roots=[str(path.parent)], **section["export_options"])
-    assert json.dumps(loaded.options) == json.dumps(section["options"])
+    assert json.dumps(loaded.options) == json.dumps(_with_prefill_rows(section["options"]))
+    assert loaded.causal_lm is not None and loaded.causal_lm.prefill_rows == 4
     assert {k: (str(d), str(t)) for k, (d, t) in loaded.model.inputs.items()} == _inputs(section)
 
 
@@ -146,8 +158,9 @@ def test_gpt2_exporter_writes_the_old_options(tmp_path: pathlib.Path) -> None:
                                                          safe_serialization=True)
     section = _golden("tiny-gpt2")
     loaded = load_model("gpt2", roots=[str(tmp_path)], **section["export_options"])
-    assert loaded.causal_lm == CausalLM.from_options(section["options"], inputs=_inputs(section))
-    assert json.dumps(loaded.options) == json.dumps(section["options"])
+    options = _with_prefill_rows(section["options"])
+    assert loaded.causal_lm == CausalLM.from_options(options, inputs=_inputs(section))
+    assert json.dumps(loaded.options) == json.dumps(options)
     assert "bos_id" not in loaded.options  # GPT-2's options never recorded one
 
 
@@ -191,6 +204,7 @@ def test_error_loaded_model_with_contract_and_options() -> None:
      "CausalLM.prefill_buckets: expected at least one prompt length in 1..64 (max_seq)"),
     ({"prefill_buckets": 8}, "CausalLM.prefill_buckets: expected a list of prompt lengths"),
     ({"eos_ids": (2, -1)}, "CausalLM.eos_ids[1]: expected a token id (an integer >= 0), found -1"),
+    ({"prefill_rows": 0}, "CausalLM.prefill_rows: expected an integer in 1..4 (max_slots), found 0"),
     ({"input_dtypes": DTYPES | {"logits": "float32"}},
      "CausalLM.input_dtypes['logits']: the generator fills only the step inputs"),
     ({"input_dtypes": DTYPES | {"seed": "uint33"}},
@@ -213,6 +227,9 @@ def test_error_bad_field(changes: dict[str, Any], message: str) -> None:
     ({"max_slots": 4, "max_seq": 512, "prefill_buckets": [16, "64"]},
      ("manifest m.json: model.options.prefill_buckets[1]: expected an integer in 1..512 "
       "(max_seq), found '64' (str)")),
+    ({"max_slots": 4, "max_seq": 512, "prefill_buckets": [16], "prefill_rows": 8},
+     ("manifest m.json: model.options.prefill_rows: expected an integer in 1..4 (max_slots), "
+      "found 8")),
     ({"max_slots": 4, "max_seq": 512, "prefill_buckets": [16], "eos_ids": None},
      "manifest m.json: model.options.eos_ids: expected a list of token ids, found None"),
     ({"max_slots": 4, "prefill_buckets": [16]},

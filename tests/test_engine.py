@@ -16,6 +16,7 @@ import logging
 import pathlib
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -428,7 +429,8 @@ def test_failover_in_a_long_lived_engine_keeps_the_output(tiny):
     lengths = [20, 16, 24, 12]
     with Cluster.local(2, weights_roots=[str(root)], spares=1) as cluster:
         pipeline = _Fed(cluster.deploy(model, stages=2))
-        engine, rec = _observed(pipeline, model, depth=2)
+        # One session per run below (keep_session_s=0), prompts prefilled together.
+        engine, rec = _observed(pipeline, model, depth=2, keep_session_s=0, prefill_rows=SLOTS)
         with engine:
             clean = [s.result(WAIT).tokens for s in
                      [engine.submit(p, _greedy(n)) for p, n in zip(PROMPTS, lengths)]]
@@ -536,16 +538,88 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny, pipe):
             hf, PROMPTS[0], 6)
 
 
-def test_an_idle_engine_has_ended_its_session(tiny, pipe):
+def test_an_idle_engine_keeps_its_session_then_ends_it(tiny, pipe):
+    """The KV memory outlives an idle gap: the next request runs on the same session (it pays
+    no allocation); after keep_session_s without a request the session is ended."""
+    _, hf, model = tiny
+    fed = _Fed(pipe)
+    with _engine(fed, model, keep_session_s=WAIT) as engine:
+        assert engine.submit(PROMPTS[0], _greedy(3)).result(WAIT).tokens == _hf_greedy(
+            hf, PROMPTS[0], 3)
+        held = len(pipe.sessions)
+        assert held == 2  # idle, kept: the session's state on each of the 2 stages
+        assert engine.submit(PROMPTS[3], _greedy(4)).result(WAIT).tokens == _hf_greedy(
+            hf, PROMPTS[3], 4)
+        assert len(fed.fed) == 1 and len(pipe.sessions) == held  # both on that session
+    assert len(pipe.sessions) == 0  # close ends it
+    with _engine(pipe, model, keep_session_s=0.2) as engine:
+        engine.submit(PROMPTS[0], _greedy(3)).result(WAIT)
+        deadline = time.monotonic() + WAIT
+        while len(pipe.sessions) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pipe.sessions) == 0
+
+
+def test_keep_session_0_ends_the_session_with_the_last_request(tiny, pipe):
     """Once a caller has its last result, the workers hold no state of the engine."""
     _, _, model = tiny
-    gen = Generator(pipe, input_dtypes=_dtypes(model), max_slots=SLOTS, max_seq=SEQ,
-                    prefill_buckets=BUCKETS)
-    with gen, _engine(pipe, model) as engine:
+    with _engine(pipe, model, keep_session_s=0) as engine:
         engine.submit(PROMPTS[0], _greedy(3)).result(WAIT)
         assert len(pipe.sessions) == 0
-        gen.run(PROMPTS[:3], _greedy(4))
+        streams = [engine.submit(p, _greedy(4)) for p in PROMPTS[:3]]
+        for st in streams:
+            st.result(WAIT)
         assert len(pipe.sessions) == 0
+
+
+def test_a_session_the_workers_reclaimed_while_idle_is_rebuilt(tiny):
+    """A worker whose --session-idle-timeout is shorter than the engine's keep_session_s
+    reclaims the idle session; the next request is rebuilt on a new one, not failed."""
+    root, hf, model = tiny
+    with Cluster.local(2, weights_roots=[str(root)],
+                       extra_args=["--session-idle-timeout", "1"]) as cluster:
+        pipeline = _Fed(cluster.deploy(model, stages=2))
+        with _engine(pipeline, model, keep_session_s=WAIT, depth=2) as engine:
+            assert engine.submit(PROMPTS[1], _greedy(5)).result(WAIT).tokens == _hf_greedy(
+                hf, PROMPTS[1], 5)
+            deadline = time.monotonic() + WAIT  # the workers' reaper runs every 0.25 s
+            while (any(i.sessions for i in cluster.info())
+                   and time.monotonic() < deadline):
+                time.sleep(0.2)
+            assert not any(i.sessions for i in cluster.info())
+            streams = [engine.submit(p, _greedy(6)) for p in PROMPTS[2:4]]
+            assert [st.result(WAIT).tokens for st in streams] == [
+                _hf_greedy(hf, p, 6) for p in PROMPTS[2:4]]
+            # Rebuilt: what had gone out on the reclaimed session when its error came back.
+            assert 1 <= engine.recomputed <= 2 and len(pipeline.fed) == 2
+        pipeline.close()
+
+
+def test_waiting_prompts_are_prefilled_together(tiny, pipe):
+    """With prefill_rows, the prompts that wait share prefill steps (in chunks of the smallest
+    bucket), and every output is still transformers' greedy one."""
+    _, hf, model = tiny
+    fed = _Fed(pipe)
+    lengths = [5, 7, 4, 6]
+    engine, rec = _observed(fed, model, prefill_rows=SLOTS)
+    done = threading.Event()
+    reached = threading.Event()
+    with engine:
+        # Hold the loop on a first request so the others all wait, then let them in together.
+        rec.at_token[("hold", 1)] = _block_until(done, reached)
+        hold = engine.submit([1, 2], _greedy(2), request_id="hold")
+        assert reached.wait(WAIT)
+        streams = [engine.submit(p, _greedy(n)) for p, n in zip(PROMPTS[:4], lengths)]
+        done.set()
+        hold.result(WAIT)
+        results = [st.result(WAIT).tokens for st in streams]
+    assert results == [_hf_greedy(hf, p, n) for p, n in zip(PROMPTS[:4], lengths)]
+    prefills = [e[1] for e in rec.of("step") if e[2] > 1]
+    assert max(prefills) >= 3, f"prefill steps carried {prefills} rows"
+    # The 12-token prompt went in chunks of the bucket: 8 tokens, then 4.
+    (session,) = fed.fed.values()
+    (fed_12,) = [steps for steps in session.values() if steps[0] == PROMPTS[1][:8]]
+    assert fed_12[:2] == [PROMPTS[1][:8], PROMPTS[1][8:]]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -161,7 +161,7 @@ def test_exporter_load(hf: Any, root: pathlib.Path) -> None:
     assert (loaded.kind, loaded.architecture, loaded.tokenizer) == (
         "causal-lm", "GPT2LMHeadModel", None)  # the tiny model ships no tokenizer.json
     assert dict(loaded.options) == {"max_slots": 2, "max_seq": 32, "prefill_buckets": (16,),
-                                    "eos_ids": ()}
+                                    "prefill_rows": 2, "eos_ids": ()}
 
 
 # ---------------------------------------------------------------------------------------------

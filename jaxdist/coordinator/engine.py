@@ -7,8 +7,13 @@ a model's :class:`~jaxdist.export.causal_lm.CausalLM` gives its settings
 of them) and owns it until it ends, so requests join and leave at any step (continuous
 batching). One thread runs the steps: each step is either one prefill chunk of one request, at
 the smallest prefill bucket that holds it, or one decode token for a share of the decoding
-requests, with ``depth`` steps in flight on disjoint rows. The session is ended whenever the
-engine runs out of requests, and a new one is opened for the next.
+requests, with ``depth`` steps in flight on disjoint rows. Several waiting prompts are
+prefilled in one step (up to the contract's ``prefill_rows``, in chunks of the smallest bucket).
+The session, and the KV memory it holds on the workers, outlives idle gaps of up to
+``keep_session_s``, so a request after a pause does not pay the allocation in its time to first
+token; it is ended after a longer gap. A worker that reclaimed it meanwhile (its
+``--session-idle-timeout`` was shorter) costs the next requests one rebuild on a new session,
+as after a failover, never an error.
 
 Failover: when a worker dies and the pipeline can move its stages to a spare
 (:meth:`jaxdist.coordinator.pipeline.Pipeline.recover`), the engine opens a new session and
@@ -40,7 +45,7 @@ import numpy as np
 from jaxdist.coordinator.detokenizer import Detokenizer, TextStream
 from jaxdist.coordinator.request import Delta, GenerationResult, RequestStream, SamplingParams
 from jaxdist.coordinator.steps import StepPipeline, check_prompt, default_depth, step_inputs
-from jaxdist.core.errors import JaxdistError, LimitError, SpecError
+from jaxdist.core.errors import JaxdistError, LimitError, SessionError, SpecError
 from jaxdist.export.causal_lm import CausalLM
 
 __all__ = ["Engine", "EngineClosed", "EngineObserver", "QueueFull"]
@@ -60,7 +65,8 @@ class EngineObserver(Protocol):
         """A request was accepted."""
 
     def scheduled(self, request_id: str, queue_s: float) -> None:
-        """It got a KV slot, ``queue_s`` seconds after it was submitted."""
+        """Its first step was sent, ``queue_s`` seconds after it was submitted (its wait for a
+        KV slot and for its turn)."""
 
     def token(self, request_id: str, n_new: int, since_last_s: float, first: bool) -> None:
         """It got ``n_new`` tokens, ``since_last_s`` after its previous ones (after its
@@ -108,7 +114,10 @@ class _Request:
     recompute: bool = False      # the prefill rebuilds the cache after a failover: its token
     in_flight: bool = False      # is known already
     replay: list[int] = dataclasses.field(default_factory=list)  # then decoded again, unused
-    scheduled: float = 0.0
+    chunks: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # prefilled as
+    plan: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (tokens, bucket);
+    # a rebuild prefills in the chunks of the first build (plan), one request per step
+    scheduled: float = 0.0       # its first step was sent
     first: float = 0.0
     last: float = 0.0
     abort: bool = False          # abort() was called; the loop ends it
@@ -148,6 +157,11 @@ class Engine:
         max_queue: requests that may wait for a slot; one more is refused with
             :class:`QueueFull`. ``None``: no bound.
         observer: metrics hooks, see :class:`EngineObserver`.
+        prefill_rows: the most prompts one prefill step carries, in chunks of the smallest
+            bucket; the contract's :attr:`~jaxdist.export.causal_lm.CausalLM.prefill_rows`
+            (the workers compiled those shapes). 1: one prompt per prefill step.
+        keep_session_s: seconds an idle engine keeps its session, and the workers its KV
+            memory, for the next request; 0 ends it as soon as the last request ends.
 
     Example:
         >>> import numpy as np
@@ -173,8 +187,11 @@ class Engine:
                  max_slots: int, max_seq: int, prefill_buckets: Sequence[int],
                  eos_ids: Iterable[int] = (), tokenizer: Detokenizer | None = None,
                  depth: int = 1, max_failovers: int = 3, max_queue: int | None = 256,
-                 observer: EngineObserver | None = None) -> None:
+                 observer: EngineObserver | None = None, prefill_rows: int = 1,
+                 keep_session_s: float = 60.0) -> None:
         for name, value, least in (("max_slots", max_slots, 1), ("max_seq", max_seq, 2),
+                                   ("prefill_rows", prefill_rows, 1),
+                                   ("keep_session_s", keep_session_s, 0),
                                    ("depth", depth, 1), ("max_failovers", max_failovers, 0),
                                    ("max_queue", 0 if max_queue is None else max_queue, 0)):
             if value < least:
@@ -192,6 +209,8 @@ class Engine:
         self.max_failovers = max_failovers
         self.max_queue = max_queue
         self.observer = observer
+        self.prefill_rows = min(prefill_rows, max_slots)
+        self.keep_session_s = keep_session_s
         self._cv = threading.Condition()
         # Shared with submitters, under _cv:
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -206,6 +225,8 @@ class Engine:
         # The step loop's own:
         self._inflight: collections.deque[_Step] = collections.deque()
         self._session: str | None = None
+        self._idle_since: float | None = None  # the session has had no request since then
+        self._resumed = False  # a step went out on a session that had been idle; none is back
         self._step_ids: Iterator[int] = itertools.count()
         self._failovers = 0
         self._recomputed = 0
@@ -221,7 +242,8 @@ class Engine:
     def for_model(cls, pipeline: StepPipeline, lm: CausalLM, *,
                   tokenizer: Detokenizer | None = None, depth: int | None = None,
                   max_failovers: int = 3, max_queue: int | None = 256,
-                  observer: EngineObserver | None = None) -> Engine:
+                  observer: EngineObserver | None = None, keep_session_s: float = 60.0
+                  ) -> Engine:
         """The engine for a deployed causal LM, configured by its contract.
 
         Args:
@@ -231,7 +253,7 @@ class Engine:
             tokenizer: gives deltas their text and serves stop strings.
             depth: steps in flight; default: one per stage of a deployed pipeline
                 (``len(pipeline.specs)``), 1 for a pipeline without stage specs.
-            max_failovers, max_queue, observer: see :class:`Engine`.
+            max_failovers, max_queue, observer, keep_session_s: see :class:`Engine`.
 
         Example:
             >>> loaded = load_model("SmolLM2.gguf", roots=["/models"])   # doctest: +SKIP
@@ -242,7 +264,8 @@ class Engine:
         return cls(pipeline, input_dtypes=lm.input_dtypes, max_slots=lm.max_slots,
                    max_seq=lm.max_seq, prefill_buckets=lm.prefill_buckets, eos_ids=lm.eos_ids,
                    tokenizer=tokenizer, depth=default_depth(pipeline) if depth is None else depth,
-                   max_failovers=max_failovers, max_queue=max_queue, observer=observer)
+                   max_failovers=max_failovers, max_queue=max_queue, observer=observer,
+                   prefill_rows=lm.prefill_rows, keep_session_s=keep_session_s)
 
     # -- the callers' side ------------------------------------------------------------------
 
@@ -373,10 +396,9 @@ class Engine:
 
     def _admit_locked(self) -> None:
         """Give free slots to waiting requests, oldest first (holding ``_cv``)."""
-        now = time.perf_counter()
         while self._waiting and self._free:
             req = self._waiting.popleft()
-            req.slot, req.scheduled = self._free.pop(0), now
+            req.slot = self._free.pop(0)
             self._active.append(req)
 
     def _run(self) -> None:
@@ -397,8 +419,14 @@ class Engine:
         once closed."""
         with self._cv:
             while not (self._arrivals or self._aborts or self._active or self._inflight
-                       or self._closing or self._session is not None):
-                self._cv.wait()
+                       or self._closing):
+                if self._session is None:
+                    self._cv.wait()
+                    continue
+                left = (self._idle_since or 0.0) + self.keep_session_s - time.monotonic()
+                if left <= 0:
+                    break  # kept long enough: the round ends it
+                self._cv.wait(left)
             arrivals, self._arrivals = self._arrivals, []
             aborts, self._aborts = self._aborts, []
             closing = self._closing
@@ -418,7 +446,8 @@ class Engine:
             active = list(self._active)
         if closing or not active:
             self._settle()
-            self._end_session()
+            if closing or self._kept_too_long():
+                self._end_session()
             return not closing
         try:
             self._send(active)
@@ -428,9 +457,17 @@ class Engine:
             self._fail_over(exc)
         with self._cv:
             idle = not self._active
-        if idle and not self._inflight:
-            self._end_session()  # nothing left to run: free the workers' KV memory now
+        if idle and not self._inflight and self._session is not None:
+            # Nothing left to run: keep the session (the next request finds its KV memory
+            # allocated), or free the workers' memory now.
+            self._idle_since = self._idle_since or time.monotonic()
+            if self._kept_too_long():
+                self._end_session()
         return True
+
+    def _kept_too_long(self) -> bool:
+        return (self._idle_since is not None
+                and time.monotonic() - self._idle_since >= self.keep_session_s)
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
@@ -449,8 +486,17 @@ class Engine:
         decoding = [r for r in ready if not r.pending]
         if prefilling and not (decoding and self._last_was_prefill):
             self._last_was_prefill = True
-            # One request per prefill step, at the smallest bucket holding its next chunk:
-            # every such shape is compiled ahead of time (see jaxdist.export.buckets).
+            # Every shape below is compiled ahead of time (see jaxdist.export.buckets).
+            rebuilding = [r for r in prefilling if r.plan]
+            if rebuilding:  # the chunks of its first build, so its cache comes out the same
+                r = rebuilding[0]
+                n, s = r.plan[0]
+                return [(r, r.pending[:n])], s
+            if len(prefilling) > 1 and self.prefill_rows > 1:
+                # Several prompts wait: their next chunks in one step, at the smallest bucket.
+                s = self.buckets[0]
+                return [(r, r.pending[:s]) for r in prefilling[:self.prefill_rows]], s
+            # One prompt: one row, at the smallest bucket holding its next chunk.
             r = prefilling[0]
             chunk = min(len(r.pending), self.buckets[-1])
             s = next(b for b in self.buckets if b >= chunk)
@@ -469,12 +515,17 @@ class Engine:
             rows, s = self._next_rows(ready, len(active))
             if not rows:
                 return
+            now = time.perf_counter()
             for r, _ in rows:
+                r.scheduled = r.scheduled or now
                 self._announce(r)
             arrays = step_inputs([(r.slot, r.pos, toks, r.params) for r, toks in rows], s,
                                  dtypes=self.dtypes, max_slots=self.max_slots)
             if self._session is None:
                 self._session, self._step_ids = f"gen-{uuid.uuid4().hex[:12]}", itertools.count()
+            elif self._idle_since is not None:
+                self._resumed = True  # the workers may have reclaimed it meanwhile
+            self._idle_since = None
             # A pipeline that lost a worker refuses the step here, or fails its future in
             # _receive: either way the engine fails over (or fails the requests).
             future = self.pipeline.submit(arrays, session_id=self._session,
@@ -489,6 +540,7 @@ class Engine:
         out = step.future.result()
         self._inflight.popleft()
         self._failovers = 0
+        self._resumed = False
         if "token" not in out:
             raise SpecError(f"the pipeline's last stage returned {sorted(out)}; the causal-LM "
                             f"step contract expects 'token'")
@@ -501,6 +553,10 @@ class Engine:
                 continue  # aborted while in flight: its slot may already be someone else's
             r.pos += len(toks)
             if r.pending:
+                if r.plan:
+                    del r.plan[0]
+                else:
+                    r.chunks.append((len(toks), step.tokens_per_row))
                 del r.pending[:len(toks)]
                 if r.pending:
                     continue  # more prompt to prefill: the sampled token is not used
@@ -590,7 +646,7 @@ class Engine:
         if r.said < 1:
             r.said = 1
             self._observe(lambda o: o.queued(r.rid, len(r.prompt)))
-        if r.said < 2 and r.slot >= 0:
+        if r.said < 2 and r.scheduled:
             r.said = 2
             self._observe(lambda o: o.scheduled(r.rid, r.scheduled - r.submitted))
 
@@ -614,6 +670,7 @@ class Engine:
 
     def _end_session(self) -> None:
         session, self._session = self._session, None
+        self._idle_since, self._resumed = None, False
         if session is not None:
             try:
                 self.pipeline.end_session(session)
@@ -626,6 +683,15 @@ class Engine:
         self._settle()
         with self._cv:
             active = list(self._active)
+        if self._resumed and _session_gone(error):
+            # The workers reclaimed the session while it was kept idle: what it held was no
+            # request's, and the requests since are rebuilt on a new one.
+            log.warning("generation engine: the workers ended the idle session %s (%s); "
+                        "rebuilding %d requests on a new session", self._session,
+                        getattr(error, "message", error), len(active))
+            self._end_session()
+            self._rebuild(active)
+            return
         recover: Callable[[], list[Any]] | None = getattr(self.pipeline, "recover", None)
         dead = recover is not None and getattr(self.pipeline, "broken", None) is not None
         if recover is not None and dead and self._failovers < self.max_failovers:
@@ -641,18 +707,7 @@ class Engine:
             log.warning("generation engine: failed over (%s); recomputing %d requests",
                         ", ".join(f"stages {list(m.stages)} {m.failed} -> {m.spare}"
                                   for m in moved) or "reloaded in place", len(active))
-            with self._cv:
-                self._recomputed += len(active)
-            for r in active:
-                r.pos = 0
-                # The cache is rebuilt the way it was built: the prompt prefilled in the same
-                # chunks, then each generated token but the last decoded again. A chunked
-                # prefill of prompt + tokens would be fewer steps, but its attention runs
-                # another path (and another summation order) than the decode kernel's, so a
-                # near tie could then pick another next token than the run that failed over.
-                r.pending = list(r.prompt)
-                r.replay = r.tokens[:-1]
-                r.recompute = bool(r.tokens)
+            self._rebuild(active)
             return
         if dead and self.max_failovers:
             error.add_note(f"gave up after {self._failovers} failovers in a row without a "
@@ -661,6 +716,23 @@ class Engine:
         self._end_session()
         self._fail_all(active, error)
 
+    def _rebuild(self, active: list[_Request]) -> None:
+        """Make the running requests build their KV caches again on the next session."""
+        with self._cv:
+            self._recomputed += len(active)
+        for r in active:
+            r.pos = 0
+            # The cache is rebuilt the way it was built: the prompt prefilled in the same
+            # chunks at the same buckets, then each generated token but the last decoded
+            # again. A chunked prefill of prompt + tokens would be fewer steps, but its
+            # attention runs another path (and another summation order) than the decode
+            # kernel's, so a near tie could then pick another next token than the run that
+            # failed over.
+            r.pending = list(r.prompt)
+            r.plan = list(r.chunks)
+            r.replay = r.tokens[:-1]
+            r.recompute = bool(r.tokens)
+
     def _fail_all(self, active: list[_Request], error: JaxdistError) -> None:
         for r in active:
             if r.abort:
@@ -668,3 +740,8 @@ class Engine:
             else:
                 self._fail(r, error)
 
+
+def _session_gone(error: BaseException) -> bool:
+    """Whether ``error`` says a worker no longer holds the step's session (a SessionError,
+    raised here or on a worker)."""
+    return isinstance(error, SessionError) or getattr(error, "remote_type", "") == "SessionError"

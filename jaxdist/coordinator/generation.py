@@ -53,6 +53,8 @@ class Generator:
         max_failovers: failovers in a row without progress before giving up when workers die
             (the pipeline must have spare workers; see
             :meth:`jaxdist.coordinator.pipeline.Pipeline.recover`); 0 never fails over.
+        prefill_rows: prompts one prefill step may carry (the contract's
+            :attr:`~jaxdist.export.causal_lm.CausalLM.prefill_rows`); 1: one per step.
 
     The settings are read when the engine starts, on the first :meth:`run` or :meth:`stream`.
     Failover is the engine's: the running sequences are prefilled again on a new session
@@ -62,7 +64,7 @@ class Generator:
     def __init__(self, pipeline: StepPipeline, *, input_dtypes: Mapping[str, str],
                  max_slots: int, max_seq: int, prefill_buckets: Sequence[int],
                  eos_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None,
-                 depth: int = 1, max_failovers: int = 3) -> None:
+                 depth: int = 1, max_failovers: int = 3, prefill_rows: int = 1) -> None:
         self.pipeline = pipeline
         self.dtypes = dict(input_dtypes)
         self.max_slots = max_slots
@@ -74,6 +76,7 @@ class Generator:
             raise SpecError(f"depth must be >= 1, got {depth}")
         self.depth = depth
         self.max_failovers = max_failovers
+        self.prefill_rows = prefill_rows
         if not self.buckets:
             raise SpecError("prefill_buckets must not be empty")
         self._engine: Engine | None = None
@@ -107,7 +110,7 @@ class Generator:
                    max_seq=lm.max_seq, prefill_buckets=lm.prefill_buckets, eos_ids=lm.eos_ids,
                    decode=tokenizer.decode if tokenizer is not None else None,
                    depth=default_depth(pipeline) if depth is None else depth,
-                   max_failovers=max_failovers)
+                   max_failovers=max_failovers, prefill_rows=lm.prefill_rows)
 
     @property
     def engine(self) -> Engine:
@@ -119,7 +122,8 @@ class Generator:
                     max_seq=self.max_seq, prefill_buckets=self.buckets, eos_ids=self.eos_ids,
                     tokenizer=_DecodeFn(self.decode) if self.decode is not None else None,
                     depth=self.depth, max_failovers=self.max_failovers,
-                    max_queue=None)  # a batch waits for slots by design
+                    max_queue=None,  # a batch waits for slots by design
+                    prefill_rows=self.prefill_rows)
             return self._engine
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

@@ -12,8 +12,9 @@ The exporters trace their causal LMs to this contract (see ``exporters/llama.py`
  -> token  int32 (b,)     the next token of each row
 
 Rows are padded up to a power of two (:func:`~jaxdist.export.buckets.decode_rows`) with the
-out-of-range slot ``max_slots``, whose cache writes the graph drops, so each worker compiles a
-handful of shapes.
+out-of-range slot ``max_slots``, whose cache writes the graph drops, and length 0, whose rows
+the CPU kernels skip, so each worker compiles a handful of shapes. A prefill step carries one
+prompt, or several (``prefill_rows``) in chunks of the smallest bucket.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def step_inputs(rows: Sequence[tuple[int, int, Sequence[int], SamplingParams]], 
     tokens = np.zeros((b, s), np.int64)
     slot = np.full((b,), max_slots, np.int64)  # padding rows: writes are dropped
     pos = np.zeros((b,), np.int64)
-    length = np.ones((b,), np.int64)
+    length = np.zeros((b,), np.int64)  # padding rows: no token, so no work in the kernels
     temperature = np.zeros((b,), np.float64)
     top_k = np.zeros((b,), np.int64)
     top_p = np.ones((b,), np.float64)

@@ -55,7 +55,7 @@ def step_signature() -> dict[str, tuple[str, str]]:
         (('b, s', 'int32'), ('b', 'uint32'))
     """
     return {"tokens": ("b, s", "int32"), **{k: ("b", FIELDS[k]) for k in STEP_CONTROL}}
-_TYPED_OPTIONS = ("max_slots", "max_seq", "prefill_buckets", "eos_ids")  # keys with a field
+_TYPED_OPTIONS = ("max_slots", "max_seq", "prefill_buckets", "prefill_rows", "eos_ids")  # keys with a field
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +69,10 @@ class CausalLM:
             (``"max_seq"``) when its cache is full.
         prefill_buckets: prompt chunk lengths the stages were compiled for, each in
             ``1..max_seq``, in the order exported (the generator uses them in ascending order).
+        prefill_rows: the most prompts one prefill step may carry, in chunks of the smallest
+            bucket (the stages compiled those shapes; see
+            :func:`jaxdist.export.buckets.step_buckets`). 1, the value of manifests that do not
+            record it: one prompt per prefill step.
         input_dtypes: step input name -> dtype, from the model's input signature. Each name is
             one of :data:`STEP_INPUTS`; ``tokens``, ``slot``, ``pos`` and ``length`` are
             required.
@@ -87,6 +91,7 @@ class CausalLM:
     max_seq: int
     prefill_buckets: tuple[int, ...]
     input_dtypes: Mapping[str, str]
+    prefill_rows: int = 1
     eos_ids: tuple[int, ...] = ()
     extra: Mapping[str, JSONValue] = dataclasses.field(default_factory=dict)
 
@@ -111,10 +116,14 @@ class CausalLM:
 
         The keys come in the order the exporters wrote them before this contract, with the
         ``extra`` keys between ``prefill_buckets`` and ``eos_ids`` (where the Llama exporter
-        put ``bos_id``), so an export writes the same manifest bytes, and digest, as before.
+        put ``bos_id``). ``prefill_rows`` is written after ``prefill_buckets`` when it is not 1,
+        so a contract without batched prefill writes the same manifest bytes as before it.
         """
+        rows: dict[str, OptionValue] = ({"prefill_rows": self.prefill_rows}
+                                        if self.prefill_rows != 1 else {})
         return {"max_slots": self.max_slots, "max_seq": self.max_seq,
-                "prefill_buckets": self.prefill_buckets, **self.extra, "eos_ids": self.eos_ids}
+                "prefill_buckets": self.prefill_buckets, **rows, **self.extra,
+                "eos_ids": self.eos_ids}
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], *,
@@ -124,7 +133,8 @@ class CausalLM:
         Args:
             options: the mapping, as :meth:`to_options` wrote it or as parsed from JSON
                 (lists for tuples). ``max_slots``, ``max_seq`` and ``prefill_buckets`` are
-                required; ``eos_ids`` defaults to none; any other key goes to ``extra``.
+                required; ``prefill_rows`` defaults to 1 and ``eos_ids`` to none; any other
+                key goes to ``extra``.
             inputs: the model's input signature, name -> ``(dims, dtype)``
                 (``ModelInfo.inputs`` of a manifest, or ``Model.inputs``).
             source: where the mapping is, for error messages (e.g. ``"manifest m.json: model"``
@@ -152,6 +162,7 @@ class CausalLM:
             dtypes[name] = sig[1]
         values = {"max_slots": options["max_slots"], "max_seq": options["max_seq"],
                   "prefill_buckets": _as_tuple(options["prefill_buckets"]),
+                  "prefill_rows": options.get("prefill_rows", 1),
                   "eos_ids": _as_tuple(options.get("eos_ids", ())),
                   "input_dtypes": dtypes,
                   "extra": {k: v for k, v in options.items() if k not in _TYPED_OPTIONS}}
@@ -172,6 +183,7 @@ class _Values:
     max_slots: object
     max_seq: object
     prefill_buckets: object
+    prefill_rows: object
     input_dtypes: object
     eos_ids: object
     extra: object
@@ -221,6 +233,9 @@ def _check(lm: CausalLM | _Values, *, options: str, inputs: str, extra: str) -> 
             raise SpecError(f"{options}prefill_buckets[{i}]: expected an integer in "
                             f"1..{max_seq} (max_seq), found {_found(n)}; export with prefill "
                             f"buckets no longer than max_seq")
+    rows = lm.prefill_rows
+    if not _is_int(rows) or not 1 <= rows <= max_slots:
+        raise fail(f"{options}prefill_rows", f"an integer in 1..{max_slots} (max_slots)", rows)
     eos = lm.eos_ids
     if not isinstance(eos, tuple):
         raise fail(f"{options}eos_ids", "a list of token ids", eos)

@@ -64,7 +64,8 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds",
                         "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.",
+                               "Histogram of time from a request's arrival to its first "
+                               "scheduled step (waiting for a KV slot and for its turn).",
                                E2E_BUCKETS)
         self.prompt_tokens = Counter("jaxdist:prompt_tokens", "Number of prefill tokens "
                                      "processed.", labels, registry=r).labels(model_name)

@@ -64,8 +64,10 @@ def max_rows(qtype: str) -> int:
     rows dequantize and run XLA's dot."""
     return KERNEL_MAX_ROWS_WIDE if qtype in WIDE_TYPES else KERNEL_MAX_ROWS
 
-ATTENTION_MAX_QUERIES = 8
-"""On the CPU, steps of more tokens per row than this (prefill) attend with XLA's dots."""
+ATTENTION_MAX_QUERIES = 16
+"""On the CPU, steps of more tokens per row than this (long prefill chunks) attend with XLA's
+dots; decode and chunks up to the usual smallest prefill bucket use the kernel, which reads only
+the positions each query sees (a 6-token prompt in a 16-token bucket attends over 6 keys)."""
 
 _for_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_for_kernels",
                                                                     default=False)
