@@ -3,9 +3,19 @@
 The expected values are a float64 numpy attention written here from the semantics in
 ``exporters/layers.py`` (query ``pos + i`` sees keys ``j <= pos + i``, ``j < pos + length``,
 ``j < max_seq``), and the exporter's own portable jnp form of the same read, under ``jax.jit``.
+
+The kernel runs a call's (row, query, key/value head) units on the library's helper threads and
+picks AVX-512F or AVX2 code at run time (``kernels.set_isa``); callers rely on a query's result
+being the same bits whatever the thread count, the number of queries in the step and the other
+rows, which the tests below check bit for bit.
 """
 
 from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -145,3 +155,178 @@ def test_error_shapes_checked_by_the_kernel() -> None:
     with pytest.raises(Exception, match=r"head dim 8 of q, 4 of the cache"):
         jax.jit(lambda *a: call4(*a, scale=np.float32(1)))(
             q4, kc[..., :4], kc[..., :4], ints, ints, ints).block_until_ready()
+
+
+# ---- the kernel called directly, for any step length (ops.cache_attention keeps XLA's dots for
+# steps longer than ATTENTION_MAX_QUERIES) --------------------------------------------------------
+
+def _direct(q, kc, vc, slot, pos, length) -> np.ndarray:
+    call = jax.ffi.ffi_call(kernels.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    scale = np.float32(q.shape[3] ** -0.5)
+    return np.asarray(jax.jit(lambda *a: call(*a, scale=scale))(q, kc, vc, slot, pos, length))
+
+
+def _has_avx512f() -> bool:
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " avx512f" in cpuinfo.read_text()
+
+
+@pytest.fixture(params=["wide", "avx2"])
+def isa(request):
+    """Runs the test with attention's AVX-512F path (where the CPU has it), then its AVX2 one."""
+    if request.param == "wide" and not _has_avx512f():
+        pytest.skip("this CPU has no AVX-512F")
+    kernels.set_isa(request.param == "wide")
+    yield request.param
+    kernels.set_isa(True)
+
+
+def _batch(rng, b, s, h, n_kv, d, t, *, idle=(), near_end=()):
+    """Rows of a step of s queries: random positions, some rows idle (length 0), some placed so
+    that their queries run past the cache end (they see every position)."""
+    q = rng.standard_normal((b, s, h, d)).astype(np.float32)
+    slots = b + 1
+    kc = rng.standard_normal((slots, n_kv, t, d)).astype(np.float32)
+    vc = rng.standard_normal((slots, n_kv, t, d)).astype(np.float32)
+    slot = rng.permutation(slots)[:b].astype(np.int32)
+    pos = rng.integers(0, max(1, t - s), b).astype(np.int32)
+    length = rng.integers(1, s + 1, b).astype(np.int32)
+    for r in idle:
+        length[r] = 0
+    for r in near_end:
+        pos[r], length[r] = t - 1 - s // 2, s
+    return q, kc, vc, slot, pos, length
+
+
+@pytest.mark.parametrize("b", [1, 3, 16])
+@pytest.mark.parametrize("s", [1, 5, 16, 40])
+def test_kernel_any_step_matches_portable(isa: str, b: int, s: int) -> None:
+    """B rows of S queries, grouped-query heads (12 over 4, head dim 64; 6 over 2, head dim 20),
+    idle rows and rows at the cache end, against the exporter's jnp attention."""
+    for h, n_kv, d in ((12, 4, 64), (6, 2, 20)):
+        rng = np.random.default_rng(1000 * b + 10 * s + d)
+        t = s + 50
+        idle = (b - 1,) if b > 1 else ()
+        near_end = (0,) if b > 2 else ()
+        args = _batch(rng, b, s, h, n_kv, d, t, idle=idle, near_end=near_end)
+        got = _direct(*args)
+        live = args[5] > 0
+        np.testing.assert_array_equal(got[~live], 0.0)
+        portable = np.asarray(jax.jit(layers._attend)(*args))
+        np.testing.assert_allclose(got[live], portable[live], rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{isa} B={b} S={s} H={h}/{n_kv} D={d}")
+        np.testing.assert_allclose(got, _reference(*args), rtol=2e-5, atol=2e-6)
+
+
+def test_head_dims_of_every_code_path(isa: str) -> None:
+    """Head dims with their own code (64, 128), others with a partial last vector (8, 24, 72,
+    100), key counts with and without a partial last block (1, 7, 8, 15, 16, 17, 33 and more),
+    and many query heads per key/value head (32 over 1)."""
+    rng = np.random.default_rng(21)
+    for h, n_kv, d in ((8, 2, 64), (4, 2, 128), (6, 3, 8), (4, 4, 24), (6, 2, 72), (3, 1, 100),
+                       (32, 1, 16)):
+        q, kc, vc, slot, _, _ = _batch(rng, 8, 1, h, n_kv, d, 70)
+        pos = np.array([0, 6, 7, 14, 15, 16, 32, 69], np.int32)
+        length = np.ones(8, np.int32)
+        got = _direct(q, kc, vc, slot, pos, length)
+        np.testing.assert_allclose(got, _reference(q, kc, vc, slot, pos, length), rtol=2e-5,
+                                   atol=2e-6, err_msg=f"{isa} H={h}/{n_kv} D={d}")
+
+
+def test_a_query_gives_the_same_bits_in_any_step(isa: str) -> None:
+    """A query at position p: alone (S=1, B=1), inside a 16-query prefill chunk, and inside a
+    batch of other rows (B=3, the row in the middle), bit for bit."""
+    rng = np.random.default_rng(31)
+    h, n_kv, d, t, s = 9, 3, 64, 256, 16
+    q, kc, vc, _, _, _ = _batch(rng, 3, s, h, n_kv, d, t)
+    slot = np.array([2, 0, 1], np.int32)
+    pos = np.array([5, 180, 40], np.int32)
+    length = np.array([16, 16, 9], np.int32)
+    batch = _direct(q, kc, vc, slot, pos, length)
+    row = _direct(q[1:2], kc, vc, slot[1:2], pos[1:2], length[1:2])
+    np.testing.assert_array_equal(batch[1], row[0])
+    for i in range(s):
+        one = _direct(q[1:2, i:i + 1], kc, vc, slot[1:2], pos[1:2] + i, np.ones(1, np.int32))
+        np.testing.assert_array_equal(one[0, 0], row[0, i], err_msg=f"{isa} query {i}")
+    for i in range(9):  # a shorter row: its queries past its length see what its last sees
+        one = _direct(q[2:3, i:i + 1], kc, vc, slot[2:3], pos[2:3] + i, np.ones(1, np.int32))
+        np.testing.assert_array_equal(one[0, 0], batch[2, i])
+
+
+def _split_case() -> tuple[np.ndarray, ...]:
+    """A step large enough that the kernel splits it over threads (16 rows x 16 queries, up to
+    about 300 visible keys, 32 query heads)."""
+    rng = np.random.default_rng(41)
+    args = _batch(rng, 16, 16, 32, 8, 64, 320, idle=(3,), near_end=(5,))
+    return args
+
+
+def test_threads_change_no_bits(isa: str) -> None:
+    """1, 2 and 3 threads give the same bits (each (row, query, head group) is computed whole
+    by one thread, as it would be alone)."""
+    args = _split_case()
+    try:
+        kernels.load(threads=1)
+        one = _direct(*args)
+        kernels.load(threads=2)
+        two = _direct(*args)
+        kernels.load(threads=3)
+        three = _direct(*args)
+    finally:
+        kernels.load(threads=0)
+    np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(one, three)
+    live = args[5] > 0
+    portable = np.asarray(jax.jit(layers._attend)(*args))
+    np.testing.assert_allclose(one[live], portable[live], rtol=2e-5, atol=2e-6)
+
+
+def test_wide_and_avx2_paths_both_ran_and_agree() -> None:
+    """The AVX-512F and AVX2 paths differ in the order of their sums, so some results differ in
+    the last bits (which shows that set_isa switched attention too), within float32 rounding."""
+    if not _has_avx512f():
+        pytest.skip("this CPU has no AVX-512F")
+    args = _split_case()
+    try:
+        kernels.set_isa(False)
+        avx2 = _direct(*args)
+        kernels.set_isa(True)
+        wide = _direct(*args)
+    finally:
+        kernels.set_isa(True)
+    assert not np.array_equal(wide, avx2), "set_isa did not switch attention's vector code"
+    np.testing.assert_allclose(wide, avx2, rtol=2e-5, atol=2e-6)
+
+
+_SUBPROCESS = """
+import sys
+import numpy as np
+from jaxdist.core import kernels
+sys.path.insert(0, {tests!r})
+import test_attention_kernel as t
+info = kernels.load()
+np.save({out!r}, t._direct(*t._split_case()))
+print(info.cpus)
+"""
+
+
+@pytest.mark.parametrize("env_isa", ["", "avx2"])
+def test_pinned_process_gives_the_same_bits(tmp_path: pathlib.Path, env_isa: str) -> None:
+    """A process pinned to one core (one thread by default: no helper) computes the bits this
+    process computes on 2 threads; with JAXDIST_KERNELS_ISA=avx2 it runs the AVX2 path, the bits
+    of set_isa(False) here."""
+    out = tmp_path / "y.npy"
+    env = {**os.environ, "JAXDIST_KERNELS_ISA": env_isa}
+    code = _SUBPROCESS.format(tests=str(pathlib.Path(__file__).parent), out=str(out))
+    cpus = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
+                           "-c", code], env=env, capture_output=True, text=True, timeout=180,
+                          check=True).stdout.split()
+    assert cpus[-1] == "1"
+    try:
+        kernels.load(threads=2)
+        kernels.set_isa(env_isa != "avx2")
+        here = _direct(*_split_case())
+    finally:
+        kernels.load(threads=0)
+        kernels.set_isa(True)
+    np.testing.assert_array_equal(np.load(out), here)

@@ -7,7 +7,8 @@ versioned target name :data:`TARGET`; exported stages reach them through
 ``lax.platform_dependent`` (:mod:`jaxdist.core.kernels.ops`), so the same artifact also runs on
 GPU/TPU workers, which dequantize in the graph instead. A third handler (``attention.cc``,
 :data:`ATTENTION_TARGET`) attends a decode step over the slot KV cache reading only the
-positions in use; quantized stages call it too.
+positions in use, on the same helper threads, with AVX-512F code where the CPU has it (AVX2
+otherwise); quantized stages call it too.
 
 :func:`load` builds, loads and registers the library once per process and returns a
 :class:`KernelInfo`. It never raises: a library that cannot be had (no compiler, no
@@ -171,7 +172,9 @@ def load(*, threads: int = 0, enabled: bool = True) -> KernelInfo:
 
 def set_isa(wide: bool) -> KernelInfo:
     """Use jaxdist's wide dot products (``True``, where the CPU has them) or ggml's (``False``)
-    from the next call on; for comparing the two in one process (the tests, the benchmarks)."""
+    from the next call on; for comparing the two in one process (the tests, the benchmarks).
+    The attention kernel follows it: AVX-512F (where the CPU has it) or AVX2. ``isa`` names the
+    dot products only."""
     global _info
     with _lock:
         if _info is None or not _info.available or _lib is None:

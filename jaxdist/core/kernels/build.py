@@ -1,7 +1,8 @@
 """Build the CPU kernel library once per machine, and cache it.
 
 The handler sources (``ggml_matmul.cc``, ``attention.cc``, and the wide-vector dot products
-``wide_simple.cc`` and ``wide_kquants.cc`` behind ``wide.h``) ship with jaxdist. They are compiled
+``wide_simple.cc`` and ``wide_kquants.cc`` behind ``wide.h``; ``pool.h`` shares the helper
+threads) ship with jaxdist. They are compiled
 into one library on first use with the machine's C++ compiler against two sets of headers that the normal install brings: XLA's FFI
 API (``jax.ffi.include_dir()``) and ggml's (the ``libggml-python`` wheel). The shared object goes
 to the kernel cache, keyed by a digest of everything that affects it (sources, jaxlib and
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("ggml_matmul.cc", "attention.cc",
                                                       "wide_simple.cc", "wide_kquants.cc"))
-HEADERS = (Path(__file__).with_name("wide.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("wide.h", "pool.h"))
 BUILD_TIMEOUT_S = 300.0
 
 

@@ -17,7 +17,7 @@
 //
 // Rows of W are split into chunks that the calling thread and up to `threads - 1` helper
 // threads claim from an atomic counter (class Helpers); threads default to the CPUs this
-// process may use (CpuBudget).
+// process may use (CpuBudget). attention.cc runs on the same helpers (pool.h's ParallelFor).
 //
 // Every buffer is checked against the declared type and shapes before anything is read.
 // Built at first use by jaxdist/core/kernels/build.py; nothing here is copied from ggml.
@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <cstdio>
 #include <cstring>
@@ -41,6 +42,7 @@
 
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "pool.h"
 #include "wide.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -107,6 +109,8 @@ struct Job {
   size_t wx_row = 0;
   const int64_t* live_rows = nullptr;  // their row numbers in x
   int64_t n_live = 0;
+  // ParallelFor: range(n0, n1) for each chunk of [0, n) (nothing above is used)
+  const std::function<void(int64_t, int64_t)>* range = nullptr;
 
   void Work() {
     for (;;) {
@@ -114,6 +118,11 @@ struct Job {
       if (c >= chunks) return;
       int64_t n0 = c * chunk_rows;
       int64_t n1 = n0 + chunk_rows < n ? n0 + chunk_rows : n;
+      if (range != nullptr) {
+        (*range)(n0, n1);
+        done.fetch_add(1, std::memory_order_release);
+        continue;
+      }
       if (to_float != nullptr) {
         for (int64_t r = n0; r < n1; ++r) to_float(w + r * w_row, y + r * k, k);
         done.fetch_add(1, std::memory_order_release);
@@ -166,6 +175,11 @@ ffi::Error Fail(const char* target, const std::string& msg) {
 // delays nothing but its own chunk, and concurrent calls cannot deadlock.
 class Helpers {
  public:
+  // Some helper is working or spinning: a job posted now starts on it within a microsecond or
+  // so, where waking a sleeping one took 20 to 60 us on these VMs (attention.cc splits less
+  // work in the first case).
+  bool Awake() const { return awake_.load(std::memory_order_relaxed) > 0; }
+
   void Run(const std::shared_ptr<Job>& job, int64_t threads) {
     if (threads > 1) {
       job->max_helpers = threads - 1;
@@ -201,6 +215,7 @@ class Helpers {
     while (static_cast<int64_t>(started_) < n) {
       std::thread(&Helpers::Loop, this).detach();  // they live as long as the process
       ++started_;
+      awake_.fetch_add(1, std::memory_order_relaxed);
     }
   }
 
@@ -232,7 +247,9 @@ class Helpers {
       if (posted_.load(std::memory_order_acquire) != seen) continue;
       std::unique_lock<std::mutex> lock(mu_);
       sleeping_.fetch_add(1, std::memory_order_acq_rel);
+      awake_.fetch_sub(1, std::memory_order_relaxed);
       cv_.wait(lock, [&] { return posted_.load(std::memory_order_acquire) != seen; });
+      awake_.fetch_add(1, std::memory_order_relaxed);
       sleeping_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
@@ -242,6 +259,7 @@ class Helpers {
   std::deque<std::shared_ptr<Job>> jobs_;
   std::atomic<int> posted_{0};
   std::atomic<int> sleeping_{0};
+  std::atomic<int> awake_{0};  // helpers started and not asleep (working or spinning)
   size_t started_ = 0;
 };
 
@@ -521,6 +539,24 @@ bool ForcedGgml() {
 
 }  // namespace
 
+namespace jaxdist_pool {
+
+int64_t Threads() { return ::Threads(); }
+
+bool HelpersAwake() { return TheHelpers().Awake(); }
+
+void ParallelFor(int64_t n, int64_t per_chunk, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  auto job = std::make_shared<Job>();
+  job->n = n;
+  job->chunk_rows = std::max<int64_t>(1, per_chunk);
+  job->chunks = (n + job->chunk_rows - 1) / job->chunk_rows;
+  job->range = &fn;
+  Run(job, true);
+}
+
+}  // namespace jaxdist_pool
+
 #pragma GCC visibility push(default)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV1, Matmul,
                               ffi::Ffi::Bind()
@@ -564,16 +600,19 @@ JAXDIST_EXPORT int jaxdist_kernels_init(char* err, int err_len) {
 #endif
   ggml_cpu_init();
   g_wide.store(WideUsable() && !ForcedGgml());
+  jaxdist_attention::SetWide(!ForcedGgml());
   return 0;
 }
 
-// The dot products in use: "avx512vnni" (wide.h) or "ggml" (the wheel's vec_dot).
+// The dot products in use: "avx512vnni" (wide.h) or "ggml" (the wheel's vec_dot). Attention
+// (attention.cc) has its own wide path, AVX-512F only, that the same switches turn on and off.
 JAXDIST_EXPORT const char* jaxdist_kernels_isa() { return g_wide.load() ? "avx512vnni" : "ggml"; }
 
 // Switches between them (1: wide, where this CPU has it; 0: ggml); returns the ISA in use. The
 // tests check both against the same reference in one process.
 JAXDIST_EXPORT const char* jaxdist_kernels_set_isa(int wide) {
   g_wide.store(wide != 0 && WideUsable());
+  jaxdist_attention::SetWide(wide != 0);
   return jaxdist_kernels_isa();
 }
 
