@@ -234,24 +234,35 @@ def _build_f32(root: str) -> Config:
 
 
 def build_configs(loaded: Any, root: str, stack: contextlib.ExitStack, route: str = "tcp",
-                  compare_grpc: bool = False) -> list[Config]:
+                  compare_grpc: bool = False, names: Sequence[str] | None = None
+                  ) -> list[Config]:
     """The in-process pipeline and one local cluster per worker count, each deployed.
+
+    ``names``: only these of ``single``, ``single_f32`` (SmolLM2 only), ``1w``, ``2w``, ``3w``.
 
     Compiling dominates the setup, so the configurations are built in parallel threads (XLA
     compiles outside the GIL, and the workers compile in their own processes). ``1w`` is built
     after ``single``: it is the same computation, so it hits the persistent compilation cache.
     """
+    def want(name: str) -> bool:
+        return names is None or name in names
+
     def chain() -> list[Config]:
-        single = _build_single(loaded, root)
+        built = [_build_single(loaded, root)] if want("single") else []
         try:
-            return [single, _build_workers(loaded, root, 1, route), _build_f32(root)]
+            if want("1w"):
+                built.append(_build_workers(loaded, root, 1, route))
+            if want("single_f32"):
+                built.append(_build_f32(root))
+            return built
         except BaseException:
-            single.pipe.close()
+            for cfg in built:
+                (cfg.cluster.close if cfg.cluster is not None else cfg.pipe.close)()
             raise
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         futures = [pool.submit(chain)] + [pool.submit(_build_workers, loaded, root, n, route)
-                                          for n in WORKER_COUNTS if n != 1]
+                                          for n in WORKER_COUNTS if n != 1 and want(f"{n}w")]
         if compare_grpc:  # the whole data path over gRPC, as before the data ports
             futures.append(pool.submit(_build_workers, loaded, root, 2, "grpc", "2w_grpc"))
     configs: list[Config] = []
