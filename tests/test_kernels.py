@@ -241,6 +241,38 @@ def test_masked_rows_are_skipped(matmul, qtype: str) -> None:
 
 
 
+def test_own_q8_k_activations_are_ggmls_bytes() -> None:
+    """The wide path quantizes the K-quants' activations itself (QuantizeRowQ8K, vectorized);
+    they must be the bytes ggml's own from_float writes: scale, quants and block sums. Rows
+    with ties of magnitude and sign (the first element decides the sign of the scale), halves
+    that round to even, a zero superblock, tiny and huge values."""
+    import ctypes
+
+    lib = kernels._lib
+    assert lib is not None
+    rng = np.random.default_rng(zlib.crc32(b"q8k"))
+    rows = [rng.standard_normal(2304).astype(np.float32) * s for s in (1e-30, 1e-3, 1.0, 1e6)]
+    tie = rng.standard_normal(256).astype(np.float32)
+    tie[[3, 200]] = -7.0, 7.0   # |max| tied; the first one (negative) sets the scale
+    tie[[9, 250]] = 3.5, -3.5  # 3.5 * 127 / 7 = 63.5: rounds to even
+    rows += [tie, -tie, np.concatenate([np.zeros(256, np.float32), tie])]
+    for i, x in enumerate(rows):
+        k = x.size
+        own = np.zeros(k // 256 * 292, np.uint8)
+        ref = np.zeros_like(own)
+        ran = lib.jaxdist_kernels_quantize_q8_k(
+            x.ctypes.data_as(ctypes.c_void_p), own.ctypes.data_as(ctypes.c_void_p),
+            ref.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(k))
+        if not ran:
+            pytest.skip("jaxdist's wide kernels need a CPU with AVX-512 VNNI and VBMI")
+        own_b, ref_b = own.reshape(-1, 292), ref.reshape(-1, 292)
+        for b in range(k // 256):
+            zero = not x[256 * b:256 * (b + 1)].any()
+            # ggml leaves the sums of a zero superblock unwritten (no reader uses them)
+            n = 260 if zero else 292
+            assert own_b[b, :n].tobytes() == ref_b[b, :n].tobytes(), f"row {i} block {b}"
+
+
 @pytest.fixture
 def both_isas():
     """Runs the test body's products with ggml's dot products, then with jaxdist's wide ones."""

@@ -364,6 +364,9 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
 
+  // The wide kernels read x once more rearranged (a few KB per row; wide.h).
+  const jaxdist_wide::WideKernel* wide = vt != GGML_TYPE_F32 ? WideFor(type) : nullptr;
+
   // x in the dot product's activation type (or as is, when that is F32).
   thread_local std::vector<uint8_t> xq_buf;  // reused across calls on this thread
   const uint8_t* xq = reinterpret_cast<const uint8_t*>(x.typed_data());
@@ -376,9 +379,15 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     }
     xq_row = static_cast<size_t>(k / vtt->blck_size) * vtt->type_size;
     xq_buf.resize(xq_row * static_cast<size_t>(m));
+    // Q8_K (the K-quants' activations): the same bytes as ggml's scalar reference, vectorized.
+    const bool own_q8k = wide != nullptr && vt == GGML_TYPE_Q8_K;
     for (int64_t i = 0; i < m; ++i) {
       if (rows != nullptr && rows[i] == 0) continue;
-      vct->from_float(x.typed_data() + i * k, xq_buf.data() + i * xq_row, k);
+      if (own_q8k) {
+        jaxdist_wide::QuantizeRowQ8K(x.typed_data() + i * k, xq_buf.data() + i * xq_row, k);
+      } else {
+        vct->from_float(x.typed_data() + i * k, xq_buf.data() + i * xq_row, k);
+      }
     }
     xq = xq_buf.data();
   }
@@ -395,8 +404,6 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     if (live == 0) return ffi::Error::Success();
   }
 
-  // The wide kernels read x once more rearranged (a few KB per row; wide.h).
-  const jaxdist_wide::WideKernel* wide = vt != GGML_TYPE_F32 ? WideFor(type) : nullptr;
   thread_local std::vector<uint8_t> wx_buf;
   thread_local std::vector<int64_t> live_rows;
   uint8_t* wx = nullptr;
@@ -617,6 +624,17 @@ JAXDIST_EXPORT const char* jaxdist_kernels_set_isa(int wide) {
 }
 
 // Threads per call when set_threads was given 0: the CPUs of this process (CpuBudget).
+// For the tests: `x` (k floats, k a multiple of 256) quantized to Q8_K by ggml's own
+// from_float into `ref`, and by the wide kernels' QuantizeRowQ8K into `own` (292 bytes per 256
+// floats each). Returns 1, or 0 where this CPU lacks the wide kernels (`own` not written).
+JAXDIST_EXPORT int jaxdist_kernels_quantize_q8_k(const float* x, uint8_t* own, uint8_t* ref,
+                                                 int64_t k) {
+  ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float(x, ref, k);
+  if (!WideUsable()) return 0;
+  jaxdist_wide::QuantizeRowQ8K(x, own, k);
+  return 1;
+}
+
 JAXDIST_EXPORT int jaxdist_kernels_default_threads() { return static_cast<int>(CpuBudget()); }
 
 // Comma-separated GGML type names the handler accepts, for Info.

@@ -60,6 +60,10 @@ struct Entry {
   }
 };
 
+// ggml's quantize_row_q8_K_ref to the same bytes, with AVX-512 (wide_kquants.cc): the K-quants'
+// activations, written as ggml's block_q8_K (float d, int8 qs[256], int16 bsums[16]).
+void QuantizeRowQ8K(const float* x, uint8_t* out, int64_t k);
+
 // True when this CPU has everything the wide kernels use (checked once).
 bool WideIsaSupported();
 
