@@ -101,9 +101,11 @@ def test_16_concurrent_sessions_match_solo_runs_and_leave_nothing_behind(llama_r
         assert len({c.address for c in pipe.clients}) == 2  # one stage per worker
 
         def run(prompt: list[int], n: int = TOKENS) -> list[int]:
-            gen = Generator(pipe, input_dtypes=dtypes, max_slots=1, max_seq=MAX_SEQ,
-                            prefill_buckets=(BUCKET,))
-            (res,) = gen.run([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+            # Closed at once: an engine keeps its session (and the workers its KV memory)
+            # through idle gaps until it is closed or keep_session_s passes.
+            with Generator(pipe, input_dtypes=dtypes, max_slots=1, max_seq=MAX_SEQ,
+                           prefill_buckets=(BUCKET,)) as gen:
+                (res,) = gen.run([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
             assert res.finish_reason == "length" and len(res.tokens) == n
             return res.tokens
 
