@@ -226,6 +226,13 @@ def test_generate_reads_the_prompt_from_stdin():
     assert p["prompt_ids"] == g["prompt_ids"] and p["tokens"] == g["tokens"]
 
 
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_serve_refuses_a_bad_keep_session(value):
+    pytest.importorskip("fastapi")
+    proc = _jaxdist("serve", "--local", "1", "--port", "0", "--keep-session", value)
+    _assert_one_line_error(proc, f"--keep-session: expected seconds >= 0, found {value}")
+
+
 def test_serve_exits_when_the_model_cannot_be_deployed():
     pytest.importorskip("fastapi")
     with socket.socket() as s:

@@ -15,6 +15,8 @@ import dataclasses
 import logging
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -552,12 +554,63 @@ def test_an_idle_engine_keeps_its_session_then_ends_it(tiny, pipe):
             hf, PROMPTS[3], 4)
         assert len(fed.fed) == 1 and len(pipe.sessions) == held  # both on that session
     assert len(pipe.sessions) == 0  # close ends it
+    with _engine(pipe, model, keep_session_s=WAIT) as engine:
+        # A kept session whose requests were all aborted: the loop waits, it does not spin.
+        stream = engine.submit(PROMPTS[1], _greedy(50))
+        next(iter(stream))
+        assert stream.abort() and stream.result(WAIT).finish_reason == "abort"
+        rounds = 0
+        real = engine._round
+
+        def counted(*args: Any) -> bool:
+            nonlocal rounds
+            rounds += 1
+            return real(*args)
+
+        engine._round = counted  # type: ignore[method-assign]
+        threading.Event().wait(0.5)  # a window to count in; a spinning loop runs thousands
+        assert rounds <= 2 and len(pipe.sessions) == 2
     with _engine(pipe, model, keep_session_s=0.2) as engine:
         engine.submit(PROMPTS[0], _greedy(3)).result(WAIT)
         deadline = time.monotonic() + WAIT
         while len(pipe.sessions) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(pipe.sessions) == 0
+
+
+def test_an_engine_never_closed_ends_its_session_at_exit(tiny):
+    """A script that leaves its engine open still ends the kept session when it exits, so
+    remote workers do not hold the KV memory until their idle timeout."""
+    root, _, _ = tiny
+    script = f"""
+import sys
+from jaxdist.coordinator.engine import Engine
+from jaxdist.coordinator.inprocess import InProcessPipeline
+from jaxdist.coordinator.request import SamplingParams
+from jaxdist.exporters.llama import llama_model
+
+class Told:
+    def __init__(self, pipe):
+        self.pipe = pipe
+    def submit(self, inputs, **kw):
+        return self.pipe.submit(inputs, **kw)
+    def end_session(self, session_id):
+        print("ended", session_id, flush=True)
+        return self.pipe.end_session(session_id)
+
+model = llama_model("llama", roots=[{str(root)!r}], max_slots=2, max_seq=32,
+                    prefill_buckets=(8,))
+pipe = InProcessPipeline(model, weights_roots=[{str(root)!r}])
+engine = Engine(Told(pipe), input_dtypes={{k: v[1] for k, v in model.inputs.items()}},
+                max_slots=2, max_seq=32, prefill_buckets=(8,), keep_session_s=600)
+engine.submit([5, 17, 99], SamplingParams(max_tokens=3)).result(120)
+print("done", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=WAIT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "done" and len(lines) == 2 and lines[1].startswith("ended gen-"), lines
 
 
 def test_keep_session_0_ends_the_session_with_the_last_request(tiny, pipe):

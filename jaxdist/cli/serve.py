@@ -60,6 +60,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests that may wait for a KV slot; more get 503 with Retry-After "
                         "(default %(default)s)")
+    s.add_argument("--keep-session", type=float, default=60.0, metavar="SECONDS",
+                   help="how long the workers keep the KV memory of an idle server for the "
+                        "next request, which then does not wait for it to be allocated "
+                        "(default %(default)s; 0 frees it with the last request)")
     s.set_defaults(run=run_serve)
 
 
@@ -114,7 +118,8 @@ class _Loader(threading.Thread):
                     pipe = self.plan.deploy(cluster, progress)
                     engine = Engine.for_model(pipe, self.plan.lm, tokenizer=self.plan.tokenizer,
                                               max_queue=self.opts.max_queue,
-                                              observer=self.state.metrics)
+                                              observer=self.state.metrics,
+                                              keep_session_s=self.opts.keep_session)
                     self.state.metrics.watch_engine(engine)
                     served = Served(self.state.name, "causal-lm", self.plan.tokenizer,
                                     engine=engine, max_seq=self.plan.lm.max_seq,
@@ -170,6 +175,8 @@ def run_serve(opts: argparse.Namespace) -> int:
     keys = _api_keys(opts)
     if opts.port < 0 or opts.port > 65535:
         raise SpecError(f"--port: expected 0..65535, found {opts.port}")
+    if not opts.keep_session >= 0:  # also refuses nan
+        raise SpecError(f"--keep-session: expected seconds >= 0, found {opts.keep_session}")
     plan: Plan | None = None
     loaded: Any = None
     if opts.manifest:

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, Self
@@ -237,6 +238,9 @@ class Engine:
                                  GenerationResult | None]] = []
         self._thread = threading.Thread(target=self._run, name="jaxdist-engine", daemon=True)
         self._thread.start()
+        # An engine never closed still ends its kept session when the interpreter exits, so
+        # remote workers do not hold its KV memory until their idle timeout.
+        self._at_exit = weakref.finalize(self, self.close, 10.0)
 
     @classmethod
     def for_model(cls, pipeline: StepPipeline, lm: CausalLM, *,
@@ -376,6 +380,7 @@ class Engine:
 
         The pipeline stays open (it belongs to the caller).
         """
+        self._at_exit.detach()
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -423,7 +428,8 @@ class Engine:
                 if self._session is None:
                     self._cv.wait()
                     continue
-                left = (self._idle_since or 0.0) + self.keep_session_s - time.monotonic()
+                since = self._idle_since if self._idle_since is not None else time.monotonic()
+                left = since + self.keep_session_s - time.monotonic()
                 if left <= 0:
                     break  # kept long enough: the round ends it
                 self._cv.wait(left)
@@ -446,8 +452,10 @@ class Engine:
             active = list(self._active)
         if closing or not active:
             self._settle()
-            if closing or self._kept_too_long():
+            if closing:
                 self._end_session()
+            else:
+                self._idle()
             return not closing
         try:
             self._send(active)
@@ -457,17 +465,20 @@ class Engine:
             self._fail_over(exc)
         with self._cv:
             idle = not self._active
-        if idle and not self._inflight and self._session is not None:
-            # Nothing left to run: keep the session (the next request finds its KV memory
-            # allocated), or free the workers' memory now.
-            self._idle_since = self._idle_since or time.monotonic()
-            if self._kept_too_long():
-                self._end_session()
+        if idle and not self._inflight:
+            self._idle()
         return True
 
-    def _kept_too_long(self) -> bool:
-        return (self._idle_since is not None
-                and time.monotonic() - self._idle_since >= self.keep_session_s)
+    def _idle(self) -> None:
+        """Nothing left to run: keep the session (the next request finds its KV memory
+        allocated) until it has been idle for ``keep_session_s``, then free the workers'
+        memory."""
+        if self._session is None:
+            return
+        if self._idle_since is None:
+            self._idle_since = time.monotonic()
+        if time.monotonic() - self._idle_since >= self.keep_session_s:
+            self._end_session()
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
