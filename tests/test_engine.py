@@ -590,27 +590,37 @@ from jaxdist.coordinator.request import SamplingParams
 from jaxdist.exporters.llama import llama_model
 
 class Told:
+    closed = False
     def __init__(self, pipe):
         self.pipe = pipe
     def submit(self, inputs, **kw):
         return self.pipe.submit(inputs, **kw)
     def end_session(self, session_id):
+        if self.closed:  # as a closed gRPC channel answers
+            raise ValueError("Cannot invoke RPC on closed channel!")
         print("ended", session_id, flush=True)
         return self.pipe.end_session(session_id)
 
 model = llama_model("llama", roots=[{str(root)!r}], max_slots=2, max_seq=32,
                     prefill_buckets=(8,))
 pipe = InProcessPipeline(model, weights_roots=[{str(root)!r}])
-engine = Engine(Told(pipe), input_dtypes={{k: v[1] for k, v in model.inputs.items()}},
+told = Told(pipe)
+engine = Engine(told, input_dtypes={{k: v[1] for k, v in model.inputs.items()}},
                 max_slots=2, max_seq=32, prefill_buckets=(8,), keep_session_s=600)
 engine.submit([5, 17, 99], SamplingParams(max_tokens=3)).result(120)
+told.closed = sys.argv[1] == "closed"
 print("done", flush=True)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=WAIT)
+    out = subprocess.run([sys.executable, "-c", script, "open"], capture_output=True,
+                         text=True, timeout=WAIT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "done" and len(lines) == 2 and lines[1].startswith("ended gen-"), lines
+    # Its pipeline closed first (channels gone): the exit stays quiet, no traceback.
+    out = subprocess.run([sys.executable, "-c", script, "closed"], capture_output=True,
+                         text=True, timeout=WAIT)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["done"], out.stderr
+    assert "Traceback" not in out.stderr and "step loop failed" not in out.stderr, out.stderr
 
 
 def test_keep_session_0_ends_the_session_with_the_last_request(tiny, pipe):

@@ -236,11 +236,12 @@ class Engine:
         # ended its session, so a caller that saw its last request end finds it ended).
         self._outbox: list[tuple[RequestStream, Delta | BaseException,
                                  GenerationResult | None]] = []
+        self._exiting = False  # closing at the interpreter's exit (see _close_at_exit)
         self._thread = threading.Thread(target=self._run, name="jaxdist-engine", daemon=True)
         self._thread.start()
         # An engine never closed still ends its kept session when the interpreter exits, so
         # remote workers do not hold its KV memory until their idle timeout.
-        self._at_exit = weakref.finalize(self, self.close, 10.0)
+        self._at_exit = weakref.finalize(self, self._close_at_exit)
 
     @classmethod
     def for_model(cls, pipeline: StepPipeline, lm: CausalLM, *,
@@ -389,6 +390,12 @@ class Engine:
             if self._thread.is_alive():
                 log.warning("generation engine: the step loop did not stop within %.0f s (a "
                             "step that never came back?)", timeout)
+
+    def _close_at_exit(self) -> None:
+        """:meth:`close` when the interpreter exits with the engine open, quietly: its
+        pipeline may be closed already."""
+        self._exiting = True
+        self.close(10.0)
 
     def __enter__(self) -> Self:
         return self
@@ -685,8 +692,11 @@ class Engine:
         if session is not None:
             try:
                 self.pipeline.end_session(session)
-            except JaxdistError as exc:
-                log.warning("generation engine: could not end session %s: %s", session, exc)
+            except Exception as exc:  # noqa: BLE001 - best effort: the workers reclaim it
+                # A closed pipeline (its channels gone) or an unreachable worker: the workers
+                # free the session when its stage is unloaded or after their idle timeout.
+                (log.debug if self._exiting else log.warning)(
+                    "generation engine: could not end session %s: %s", session, exc)
 
     def _fail_over(self, error: JaxdistError) -> None:
         """A step failed: recover the pipeline and recompute the running requests, or fail
