@@ -16,7 +16,9 @@ Mixes (``--quant``):
 * ``Q4_0``: every matrix Q4_0, the LM head Q6_K (llama.cpp's ``quantize`` default for it);
 * ``Q4_K_M``: as llama.cpp's ``Q4_K_M`` assigns types: Q6_K for ``attn_v`` and ``ffn_down`` in
   half of the layers and for the LM head, Q4_K for the rest;
-* ``Q4_1``: every matrix Q4_1, the LM head Q8_0 (SmolLM2's mix).
+* ``Q4_1``: every matrix Q4_1, the LM head Q8_0 (SmolLM2's mix);
+* ``BF16``: every matrix bfloat16 (normal, scaled by 1/sqrt(in)): the dense model of the GPU
+  benchmark (bench/gpu.py), bound as bfloat16 or float32.
 
 Usage::
 
@@ -66,6 +68,11 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) ->
     """(rows, row_bytes) uint8: random blocks of ``qtype`` with small finite scales."""
     import gguf
 
+    if qtype == "BF16":
+        import ml_dtypes
+
+        x = rng.standard_normal((rows, cols), dtype=np.float32) / np.float32(np.sqrt(cols))
+        return x.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(rows, cols * 2)
     t = gguf.GGMLQuantizationType[qtype]
     elems, nbytes = gguf.GGML_QUANT_SIZES[t]
     blocks = rng.integers(0, 256, size=(rows * cols // elems, nbytes), dtype=np.uint8)
@@ -82,7 +89,7 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) ->
 
 
 def _types(shape: Shape, layer: int) -> dict[str, str]:
-    base = {"Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q4_1": "Q4_1"}[shape.quant]
+    base = {"Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q4_1": "Q4_1", "BF16": "BF16"}[shape.quant]
     types = {n: base for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                "ffn_up", "ffn_down")}
     if shape.quant == "Q4_K_M" and (layer < shape.layers // 8 or layer >= 7 * shape.layers // 8
@@ -144,8 +151,8 @@ def write(path: pathlib.Path, shape: Shape) -> pathlib.Path:
     def norm(name: str) -> None:
         w.add_tensor(name, rng.uniform(0.8, 1.2, size=h).astype(np.float32))
 
-    emb = {"Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q4_1": "Q8_0"}[shape.quant]
-    head = {"Q4_0": "Q6_K", "Q4_K_M": "Q6_K", "Q4_1": "Q8_0"}[shape.quant]
+    emb = {"Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q4_1": "Q8_0", "BF16": "BF16"}[shape.quant]
+    head = {"Q4_0": "Q6_K", "Q4_K_M": "Q6_K", "Q4_1": "Q8_0", "BF16": "BF16"}[shape.quant]
     mat("token_embd.weight", shape.vocab, h, emb)
     for i in range(shape.layers):
         t = _types(shape, i)
@@ -174,7 +181,7 @@ def write(path: pathlib.Path, shape: Shape) -> pathlib.Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=pathlib.Path)
-    p.add_argument("--quant", choices=("Q4_0", "Q4_K_M", "Q4_1"), default="Q4_0")
+    p.add_argument("--quant", choices=("Q4_0", "Q4_K_M", "Q4_1", "BF16"), default="Q4_0")
     for f in ("hidden", "layers", "heads", "kv_heads", "ffn"):
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(Shape, f))
     a = p.parse_args(argv)

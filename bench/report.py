@@ -395,6 +395,21 @@ def _load_range(xs: Sequence[float]) -> str:
     return f"{min(xs):.1f} to {max(xs):.1f}" if xs else "n/a"
 
 
+def gpu_section(bench_dir: pathlib.Path) -> list[str]:
+    """bench/gpu.py's last records (``bench/out/gpu.json``), or why there are none."""
+    import json
+
+    import gpu
+
+    path = bench_dir / "out" / "gpu.json"
+    head = ["## GPU workers (bench/gpu.py)", ""]
+    if not path.is_file():
+        return head + ["Not run: no `bench/out/gpu.json`. On a GPU machine, "
+                       "`python bench/gpu.py --out bench/out/gpu.json`, then "
+                       "`python bench/run_all.py --report-only`.", ""]
+    return head + [gpu.section(json.loads(path.read_text())), ""]
+
+
 def write(bench_dir: pathlib.Path, runs: Sequence[dict[str, Any]], summary: dict[str, Any]
           ) -> None:
     made = plots(bench_dir, runs)
@@ -428,6 +443,7 @@ def write(bench_dir: pathlib.Path, runs: Sequence[dict[str, Any]], summary: dict
          "bench/decode.py in the same run). ratio = jaxdist / baseline. Times under 1 s are in "
          "ms."),
         "",
+        *gpu_section(bench_dir),
         "## Plots",
         "",
     ]

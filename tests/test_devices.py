@@ -264,3 +264,34 @@ def test_describe_fake_cuda_uses_device_memory() -> None:
         "memory_free": 15 << 30,
         "memory_source": "device",
     }
+
+
+# --- InProcessPipeline exports for the platform its directive resolves to
+
+
+def test_inprocess_pipeline_exports_for_its_device() -> None:
+    """With its defaults (``auto``) it runs on any machine: its stages are lowered for the
+    platform ``auto`` picks here, not for cpu whatever the device."""
+    import numpy as np
+
+    from jaxdist.coordinator.inprocess import InProcessPipeline
+    from jaxdist.export.model import Model, Unit
+
+    double = Unit("double", lambda params, state, carry: ({"x": carry["x"] * 2}, {}))
+    model = Model("double", [double], inputs={"x": ("b, 4", "float32")})
+    platform = device_platform(resolve_device("auto"))
+    with InProcessPipeline(model, weights_roots=[]) as pipe:
+        assert [s.spec.platforms for s in pipe.stages] == [(platform,)]
+        np.testing.assert_array_equal(pipe.call(x=np.ones((1, 4), np.float32))["x"],
+                                      np.full((1, 4), 2, np.float32))
+
+
+def test_inprocess_pipeline_missing_device_is_refused_by_name() -> None:
+    from jaxdist.coordinator.inprocess import InProcessPipeline
+    from jaxdist.export.model import Model, Unit
+
+    present = {device_platform(d) for d in available_devices()}
+    missing = next(p for p in ("tpu", "cuda", "rocm") if p not in present)
+    model = Model("m", [Unit("u", lambda p, s, c: (c, {}))], inputs={"x": ("b, 4", "float32")})
+    with pytest.raises(DeviceError, match=missing):
+        InProcessPipeline(model, weights_roots=[], device=missing)

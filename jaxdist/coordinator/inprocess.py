@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxdist.coordinator.pipeline import Session
 from jaxdist.core import control, kernels
+from jaxdist.core.devices import device_platform, resolve_device
 from jaxdist.core.errors import JaxdistError, TransportError
 from jaxdist.core.runtime import StageRuntime
 from jaxdist.core.sessions import SessionStore
@@ -80,7 +81,8 @@ class InProcessPipeline:
         weights_roots: roots for the weight URIs.
         stages: number of stages (default 1).
         split: explicit unit counts per stage.
-        device: device directive of every stage.
+        device: device directive of every stage; the stages are exported for the platform it
+            resolves to on this machine (``metal``: a portable cpu lowering).
         max_sessions: sessions held at once (each holds every stage's state).
 
     Example:
@@ -104,7 +106,8 @@ class InProcessPipeline:
         self.cache = WeightCache(weights_roots)
         kernels.load()  # quantized stages call the CPU kernels; unavailable ones are refused
         self.stages: list[WorkerStage] = []
-        for b in build_stage_specs(model, ranges, platforms=("cpu",)):
+        platform = device_platform(resolve_device(device))
+        for b in build_stage_specs(model, ranges, platforms=(platform,)):
             spec = b.spec.replace(device=device,
                                   stage_id=f"{self.pipeline_id}/{b.spec.stage_index}")
             self.stages.append(WorkerStage.load(spec, artifact=b.artifact.data, cache=self.cache))

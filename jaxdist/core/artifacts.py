@@ -31,6 +31,17 @@ lets the cpu lowering be compiled on any platform. Its :attr:`ArtifactMeta.platf
 ``("cpu",)`` and :attr:`ArtifactMeta.portable` is true; :func:`~jaxdist.core.vetting.load_artifact`
 accepts a portable artifact for any requested platform. This is the only route to metal.
 
+Precision
+---------
+A product in StableHLO (``dot_general``) without a precision config runs at each platform's
+default: TF32 on NVIDIA GPUs, one bf16 pass on TPUs, float32 only on CPUs. So "float32" would
+mean three different things. :func:`export_stage` pins every product of a float32 stage to
+``HIGHEST`` (``matmul_precision="auto"``): a stage is float32 when none of its params, state or
+inputs is a half type (bfloat16, float16). A half-precision stage keeps the platform's fast
+products. ``matmul_precision`` overrides it per stage: ``"highest"`` or ``"default"``.
+Artifacts exported before this rule carry no precision and still deploy; on a GPU their float32
+products run as TF32.
+
 Determinism
 -----------
 The same stage, shapes and jax version give the same bytes, hence the same digest, whoever calls
@@ -199,6 +210,20 @@ def _lowering(platforms: Sequence[str]) -> tuple[tuple[str, ...], bool]:
     return ("cpu",), True
 
 
+_HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MATMUL_PRECISIONS = ("auto", "highest", "default")
+
+
+def _matmul_precision(choice: str, avals: Sequence[jax.ShapeDtypeStruct]) -> str | None:
+    """The ``jax.default_matmul_precision`` to trace under (None: each platform's default)."""
+    if choice not in MATMUL_PRECISIONS:
+        raise ArtifactError(f"matmul_precision {choice!r}: expected one of {MATMUL_PRECISIONS}")
+    if choice == "auto":
+        choice = ("default" if any(jnp.dtype(a.dtype) in _HALF_DTYPES for a in avals)
+                  else "highest")
+    return None if choice == "default" else choice
+
+
 def _signatures(names: Sequence[str], avals: Sequence[Any]) -> tuple[TensorSig, ...]:
     """Name each flat aval: its dims as jax records them (an int, or a symbolic dim's text)."""
     return tuple(
@@ -217,6 +242,7 @@ def export_stage(
     symbolic_constraints: Sequence[str] = (),
     output_names: Sequence[str] | None = None,
     unstable_custom_calls: Sequence[str] = (),
+    matmul_precision: str = "auto",
 ) -> Artifact:
     """Export a stage function (see the module docstring for its calling convention).
 
@@ -232,6 +258,9 @@ def export_stage(
         output_names: the output order; by default the order in which ``fn`` returns them.
         unstable_custom_calls: custom call targets without a jax stability guarantee to let
             through export (your own FFI kernels). Workers must also allow them when loading.
+        matmul_precision: ``"auto"`` (``"highest"`` for a float32 stage, ``"default"`` for one
+            with a half-precision param, state or input), ``"highest"`` or ``"default"``; see
+            "Precision" in the module docstring.
 
     Returns:
         The :class:`Artifact`.
@@ -265,6 +294,7 @@ def export_stage(
     sds = {g: [_to_sds(g, n, s, scope) for n, s in specs.items()] for g, specs in groups.items()}
     names = {g: list(specs) for g, specs in groups.items()}
     n_params, n_state = len(names["params"]), len(names["state"])
+    precision = _matmul_precision(matmul_precision, [a for g in sds.values() for a in g])
     captured: list[str] = []
     fun_name = getattr(fn, "__name__", "stage")
 
@@ -309,7 +339,8 @@ def export_stage(
         checks.append(jexport.DisabledSafetyCheck.platform())
     # Innermost user frame only, directory stripped: see "Determinism" in the module docstring.
     with _jax_config.include_full_tracebacks_in_locations(False), \
-            _jax_config.hlo_source_file_canonicalization_regex(r".*/"):
+            _jax_config.hlo_source_file_canonicalization_regex(r".*/"), \
+            jax.default_matmul_precision(precision):
         exported = jexport.export(jax.jit(flat_fn), platforms=lowering_platforms,
                                   disabled_checks=checks)(*sds["params"], *sds["state"],
                                                           *sds["inputs"])
