@@ -1,10 +1,13 @@
 """Tests for the worker's caches across a restart (jaxdist.core.config and ``--artifact-cache``):
 the artifact cache keeps uploaded artifacts, and the persistent XLA compilation cache, namespaced
-by jaxlib version and device, makes the second start compile faster."""
+by jaxlib version and device, makes the second start compile faster. Then the GPU memory
+variables a worker sets before jax starts (``--gpu-memory-fraction``)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import subprocess
 import sys
 from typing import Any
@@ -16,7 +19,16 @@ from models import mlp, mlp_reference
 from safetensors.numpy import save_file
 
 from jaxdist.coordinator.cluster import Cluster
-from jaxdist.core.config import host_cpu_fingerprint
+from jaxdist.core import config
+from jaxdist.core.config import (
+    GPU_MEMORY_VARIABLES,
+    apply_gpu_memory_env,
+    check_gpu_memory_fraction,
+    gpu_memory_env,
+    host_cpu_fingerprint,
+    inherited_environ,
+)
+from jaxdist.core.errors import DeviceError
 from jaxdist.export.model import Model
 from jaxdist.registry.publish import publish
 
@@ -119,3 +131,82 @@ def test_a_bounded_compilation_cache_keeps_within_its_bytes(tmp_path: pathlib.Pa
     left = sorted(directory.glob("*-cache"))
     assert sum(p.stat().st_size for p in left) <= bound
     assert 1 <= len(left) <= 2 and not set(left) & set(entries)  # the oldest went first
+
+
+# -- GPU memory: what a worker sets before jax starts its backends -------------------------------
+
+
+def test_gpu_memory_by_default_is_allocated_as_needed() -> None:
+    """What a worker on cuda does without the flag: no 75% preallocation, so workers share."""
+    chosen, words = gpu_memory_env(None, {"PATH": "/usr/bin"})
+    assert chosen == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert words.startswith("GPU memory: allocated as needed (XLA_PYTHON_CLIENT_PREALLOCATE=false)")
+
+
+def test_gpu_memory_fraction_preallocates_that_share() -> None:
+    chosen, words = gpu_memory_env(0.3, {})
+    assert chosen == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+                      "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"}
+    assert words.startswith("GPU memory: 30% of the GPU preallocated")
+
+
+@pytest.mark.parametrize("name", GPU_MEMORY_VARIABLES)
+def test_gpu_memory_the_users_own_variables_decide(name: str) -> None:
+    chosen, words = gpu_memory_env(None, {name: "0.9"})
+    assert chosen == {}
+    assert words == f"GPU memory: as the environment says ({name}=0.9)"
+
+
+@pytest.mark.parametrize("name", GPU_MEMORY_VARIABLES)
+def test_error_gpu_memory_fraction_beside_the_users_variables(name: str) -> None:
+    with pytest.raises(DeviceError, match=rf"^--gpu-memory-fraction 0.3: the environment "
+                                          rf"already sets {name}=false; unset it, or drop "
+                                          rf"--gpu-memory-fraction$"):
+        gpu_memory_env(0.3, {name: "false"})
+    with pytest.raises(DeviceError, match=r"^gpu_memory_fraction=0.3: .* drop gpu_memory_fraction"):
+        gpu_memory_env(0.3, {name: "false"}, name="gpu_memory_fraction")
+
+
+@pytest.mark.parametrize("value", [0, "0", 1.5, "1.5", "abc", "", float("nan"), -1, True, None])
+def test_error_gpu_memory_fraction_out_of_range(value: object) -> None:
+    with pytest.raises(DeviceError, match=rf"^--gpu-memory-fraction {re.escape(str(value))}: "
+                                          rf"expected the fraction of the GPU's memory each "
+                                          rf"worker preallocates, 0 < F <= 1, such as 0.3$"):
+        check_gpu_memory_fraction(value)
+    with pytest.raises(DeviceError, match=rf"^gpu_memory_fraction={re.escape(repr(value))}: "):
+        check_gpu_memory_fraction(value, "gpu_memory_fraction")
+
+
+@pytest.mark.parametrize("value, want", [("1", 1.0), (0.25, 0.25), ("1e-3", 0.001)])
+def test_gpu_memory_fraction_in_range(value: object, want: float) -> None:
+    assert check_gpu_memory_fraction(value) == want
+
+
+def test_inherited_environ_drops_only_what_jaxdist_set_and_nobody_changed() -> None:
+    environ = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5",
+               "JAXDIST_GPU_MEMORY_SET": "XLA_PYTHON_CLIENT_PREALLOCATE=false,"
+                                         "XLA_PYTHON_CLIENT_MEM_FRACTION=0.3",
+               "HOME": "/root"}
+    # The fraction was changed since jaxdist set it: the user's now.
+    assert inherited_environ(environ) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5", "HOME": "/root"}
+    assert inherited_environ({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) == {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # unmarked: the user's
+
+
+def test_apply_gpu_memory_env_replaces_its_own_choice_never_the_users(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (*GPU_MEMORY_VARIABLES, config._MARK):  # restored by monkeypatch at the end
+        monkeypatch.delenv(name, raising=False)
+    apply_gpu_memory_env(None)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    apply_gpu_memory_env(0.3)  # its own earlier choice is no conflict
+    assert (os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"],
+            os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == ("true", "0.3")
+    # A process started from here (a worker) sees the user's environment: nothing of this.
+    assert not set(GPU_MEMORY_VARIABLES) & set(inherited_environ(os.environ))
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the user's, now
+    assert apply_gpu_memory_env(None) == ("GPU memory: as the environment says "
+                                          "(XLA_PYTHON_CLIENT_PREALLOCATE=false)")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ and config._MARK not in os.environ
+    with pytest.raises(DeviceError, match="already sets XLA_PYTHON_CLIENT_PREALLOCATE=false"):
+        apply_gpu_memory_env(0.5)

@@ -9,6 +9,10 @@ turns ``SERVING``. SIGTERM (or SIGINT) turns health ``NOT_SERVING``, drains
 in-flight frames, then exits 0, at once even while a stage compiles (the load is abandoned).
 A shutdown that has not finished :data:`SHUTDOWN_DEADLINE_S` after the signal prints every
 thread's stack to stderr and exits 1; ``kill -USR1 PID`` prints them at any time.
+
+Before jax starts a backend, the worker sets how it takes GPU memory: as needed, so several
+workers share a GPU, or ``--gpu-memory-fraction F`` preallocated; jax's own ``XLA_PYTHON_CLIENT_*``
+variables, when the user set them, decide instead (:func:`jaxdist.core.config.gpu_memory_env`).
 """
 
 from __future__ import annotations
@@ -109,6 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "free port)")
     p.add_argument("--device", default="auto",
                    help="auto | cpu | cuda[:N] | rocm[:N] | tpu[:N] | metal (default %(default)s)")
+    p.add_argument("--gpu-memory-fraction", default=None, metavar="F",
+                   help="preallocate this fraction of the GPU's memory, 0 < F <= 1 (default: "
+                        "allocate as needed, so several workers can share a GPU; the "
+                        "XLA_PYTHON_CLIENT_* variables, when set, decide instead)")
     p.add_argument("--weights-root", action="append", default=[], metavar="DIR",
                    help="directory weight URIs may resolve under (repeatable)")
     p.add_argument("--allow-custom-call", action="append", default=[], metavar="PATTERN",
@@ -232,6 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     logging.basicConfig(level=opts.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Before anything starts a jax backend (the device is resolved in create_server): jaxlib
+    # reads these variables when it creates the GPU backend, which by default would take 75%
+    # of the GPU and leave too little for the other workers on it. On a cpu worker this is
+    # still needed: listing the devices starts every backend, a GPU's included.
+    try:
+        fraction = (None if opts.gpu_memory_fraction is None
+                    else jd_config.check_gpu_memory_fraction(opts.gpu_memory_fraction))
+        jd_config.apply_gpu_memory_env(fraction)
+    except JaxdistError as exc:
+        print(f"jaxdist-worker: {exc}", file=sys.stderr)
+        return 2
     # Imported after logging is set up: importing jax is slow and may log.
     from jaxdist.core.transport import security
     from jaxdist.core.transport.trust import PeerTrust

@@ -219,7 +219,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             desc = devices.describe_device(d, self._offered)
             reply.devices.add(platform=desc["platform"], index=desc["index"], kind=desc["kind"],
                               memory_total=int(desc.get("memory_total") or 0),
-                              memory_free=int(desc.get("memory_free") or 0))
+                              memory_free=int(desc.get("memory_free") or 0),
+                              memory_used=int(desc.get("memory_used") or 0),
+                              memory_source=desc.get("memory_source") or "")
         for rt in runtimes:
             reply.stages.add(stage_id=rt.stage_id, pipeline_id=rt.pipeline_id,
                              stage_index=rt.spec.stage_index,

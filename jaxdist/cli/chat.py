@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
+from jaxdist.cli.common import ProgressBar, add_cluster_args, check_cluster_args, open_cluster
 from jaxdist.cli.generate import add_model_args, manifest_plan, model_plan
 from jaxdist.coordinator.request import SamplingParams
 from jaxdist.core.errors import SpecError
@@ -53,6 +53,7 @@ def _fit(tok: Any, messages: list[dict[str, str]], max_seq: int, room: int
 def run_chat(opts: argparse.Namespace) -> int:
     from jaxdist.coordinator.engine import Engine  # noqa: PLC0415
 
+    check_cluster_args(opts)  # before the model is read
     plan = manifest_plan(opts) if opts.manifest else model_plan(opts)
     tok = plan.tokenizer
     if tok is None or getattr(tok, "chat_template", None) is None:

@@ -20,8 +20,9 @@ if TYPE_CHECKING:  # gRPC is imported only by the verbs that dial workers
     from jaxdist.coordinator.cluster import Cluster
     from jaxdist.core.transport.security import ClientAuth
 
-__all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "auth_files", "client_args_of",
-           "client_auth_of", "cluster_args_of", "open_cluster", "parse_workers"]
+__all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "add_device_args", "auth_files",
+           "check_cluster_args", "client_args_of", "client_auth_of", "cluster_args_of",
+           "device_args_of", "open_cluster", "parse_workers"]
 
 
 def add_auth_args(p: argparse.ArgumentParser) -> None:
@@ -87,8 +88,80 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages (default: one per worker)")
     p.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S, metavar="S",
                    help="declare a silent worker dead after S seconds (default %(default)s)")
+    add_device_args(p)
     add_ray_args(p)
     add_auth_args(p)
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--gpu-memory-fraction``: the workers this command starts."""
+    g = p.add_argument_group("device", "of the workers this command starts (--local, --ray); "
+                             "running --workers chose theirs when they started")
+    g.add_argument("--device", default=None, metavar="DIRECTIVE",
+                   help="auto | cpu | cuda[:N] | rocm[:N] | tpu[:N] | metal, as jaxdist-worker "
+                        "--device takes it (default: auto, a TPU or GPU when this machine has "
+                        "one, else the cpu; with --ray, the bundle's). Several workers may "
+                        "share one GPU")
+    g.add_argument("--gpu-memory-fraction", default=None, metavar="F",
+                   help="each worker preallocates this fraction of its GPU's memory, "
+                        "0 < F <= 1 (default: each allocates what it needs: its weights, KV "
+                        "cache and executables, shown by jaxdist status)")
+
+
+def device_args_of(opts: argparse.Namespace) -> dict[str, Any]:
+    """``device`` and ``gpu_memory_fraction`` for ``Cluster.local`` (or ``Cluster.ray``), from
+    ``--device`` and ``--gpu-memory-fraction``, checked; only the options given, so a
+    launcher's own default applies otherwise.
+
+    With ``--local`` (or neither ``--workers`` nor ``--ray``) the directive is checked on this
+    machine, where the workers will run (:func:`jaxdist.coordinator.spawn.check_device`).
+
+    Raises:
+        JaxdistError: either option beside ``--workers``: running workers chose theirs.
+        DeviceError: a directive this machine cannot honour, naming the devices present; a
+            fraction out of range, or one that the environment's ``XLA_PYTHON_CLIENT_*``
+            variables contradict.
+    """
+    from jaxdist.core import config  # noqa: PLC0415 - it loads jax
+    from jaxdist.core.errors import DeviceError  # noqa: PLC0415
+
+    device, fraction = getattr(opts, "device", None), getattr(opts, "gpu_memory_fraction", None)
+    if getattr(opts, "workers", ""):
+        for flag, value in (("--device", device), ("--gpu-memory-fraction", fraction)):
+            if value is not None:
+                raise JaxdistError(f"{flag} {value}: it sets up the workers this command "
+                                   f"starts (--local, --ray); running --workers chose theirs "
+                                   f"when they started (jaxdist-worker {flag}; jaxdist status "
+                                   f"shows their devices)")
+        return {}
+    args: dict[str, Any] = {}
+    if fraction is not None:
+        args["gpu_memory_fraction"] = config.check_gpu_memory_fraction(fraction)
+    if getattr(opts, "ray", None) is not None:  # the bundle and the Ray nodes decide
+        if device is not None:
+            args["device"] = device
+        return args
+    from jaxdist.coordinator.spawn import check_device  # noqa: PLC0415
+
+    if fraction is not None:  # a clash with the environment, said with the flag's name
+        config.gpu_memory_env(args["gpu_memory_fraction"], config.inherited_environ())
+    args["device"] = device or "auto"
+    try:
+        check_device(args["device"], gpu_memory_fraction=args.get("gpu_memory_fraction"))
+    except DeviceError as exc:
+        raise DeviceError(f"--device {args['device']}: {exc}") from None
+    return args
+
+
+def check_cluster_args(opts: argparse.Namespace) -> None:
+    """Refuse cluster options that contradict each other, or that the workers this command
+    would start cannot honour; called first, before a model is read or a worker started."""
+    if opts.workers and opts.local is not None:
+        raise JaxdistError("give either --workers or --local, not both")
+    check_ray_args(opts)
+    if opts.local is not None and opts.local < 1:
+        raise JaxdistError(f"--local {opts.local}: expected a number of workers >= 1")
+    device_args_of(opts)
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -117,11 +190,7 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
     """Connect to ``--workers``, or spawn ``--local`` workers whose roots hold the model."""
     from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415
 
-    if opts.workers and opts.local is not None:
-        raise JaxdistError("give either --workers or --local, not both")
-    check_ray_args(opts)
-    if opts.local is not None and opts.local < 1:
-        raise JaxdistError(f"--local {opts.local}: expected a number of workers >= 1")
+    check_cluster_args(opts)
     spares = getattr(opts, "spares", "")
     if getattr(opts, "ray", None) is not None:
         cluster = ray_cluster(opts, weights_roots, spares)
@@ -146,7 +215,7 @@ def open_cluster(opts: argparse.Namespace, weights_roots: Sequence[str]) -> Iter
               file=sys.stderr)
         cluster = Cluster.local(n, weights_roots=[os.fspath(r) for r in weights_roots],
                                 heartbeat_timeout=opts.heartbeat_timeout, spares=n_spares,
-                                **auth_files(opts))
+                                **device_args_of(opts), **auth_files(opts))
     try:
         yield cluster
     finally:
@@ -206,7 +275,7 @@ def ray_cluster(opts: argparse.Namespace, weights_roots: Sequence[str], spares: 
                        weights_roots=[os.fspath(r) for r in weights_roots],
                        heartbeat_timeout=opts.heartbeat_timeout,
                        insecure_token=bool(getattr(opts, "insecure_token", False)),
-                       **auth_files(opts))
+                       **device_args_of(opts), **auth_files(opts))
 
 
 def parse_workers(text: str) -> list[str]:

@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxdist.cli.common import ProgressBar, add_auth_args, auth_files
+from jaxdist.cli.common import (
+    ProgressBar,
+    add_auth_args,
+    add_device_args,
+    auth_files,
+    device_args_of,
+)
 from jaxdist.export.model import Model, Param, Unit
 
 __all__ = ["add_parser"]
@@ -23,16 +29,18 @@ def add_parser(sub: Any) -> None:
     demo.add_argument("--local", type=int, default=2, metavar="N", help="workers (default 2)")
     demo.add_argument("--width", type=int, default=256)
     demo.add_argument("--layers", type=int, default=4)
+    add_device_args(demo)
     add_auth_args(demo)
     demo.set_defaults(run=run)
 
 
 def run(opts: argparse.Namespace) -> int:
+    devices = device_args_of(opts)  # before anything is made
     with tempfile.TemporaryDirectory(prefix="jaxdist-demo-") as root:  # removed at the end
-        return _run(opts, root)
+        return _run(opts, root, devices)
 
 
-def _run(opts: argparse.Namespace, root: str) -> int:
+def _run(opts: argparse.Namespace, root: str, devices: dict[str, Any]) -> int:
     d, layers = opts.width, opts.layers
     rng = np.random.default_rng(0)
     weights = {f"l{i}.w": (rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32)
@@ -54,7 +62,7 @@ def _run(opts: argparse.Namespace, root: str) -> int:
     print(f"spawning {n} local workers; weights in {root} (only URIs cross the network)")
     from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415 - gRPC only for this verb
 
-    with Cluster.local(n, weights_roots=[root], **auth_files(opts)) as cluster:
+    with Cluster.local(n, weights_roots=[root], **devices, **auth_files(opts)) as cluster:
         with ProgressBar() as bar:
             pipe = cluster.deploy(model, progress=bar)
         for k, spec in enumerate(pipe.specs):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
+from jaxdist.cli.common import ProgressBar, add_cluster_args, check_cluster_args, open_cluster
 from jaxdist.coordinator.generation import Generator, SamplingParams
 from jaxdist.core.errors import JaxdistError, SpecError
 from jaxdist.export.causal_lm import CausalLM
@@ -293,6 +293,7 @@ def manifest_plan(opts: argparse.Namespace) -> Plan:
 
 
 def run_generate(opts: argparse.Namespace) -> int:
+    check_cluster_args(opts)  # before the model is read
     plan = manifest_plan(opts) if opts.manifest else model_plan(opts)
     ids = _prompt_ids(opts, plan.tokenizer, plan.name)
     plan.check_prompt(ids)  # before any worker starts
@@ -355,6 +356,7 @@ def encoder_inputs(rows: Sequence[Sequence[int]], buckets: Sequence[int]
 
 
 def run_embed(opts: argparse.Namespace) -> int:
+    check_cluster_args(opts)  # before the model is read
     name, roots = _locate(opts.model)
     loaded = load_model(name, roots=roots)
     if opts.workers and (opts.model_path or not os.path.isabs(opts.model)):

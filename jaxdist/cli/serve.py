@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.cli.common import ProgressBar, add_cluster_args, open_cluster
+from jaxdist.cli.common import ProgressBar, add_cluster_args, check_cluster_args, open_cluster
 from jaxdist.cli.generate import (
     Plan,
     add_model_args,
@@ -177,6 +177,7 @@ def run_serve(opts: argparse.Namespace) -> int:
         raise SpecError(f"--port: expected 0..65535, found {opts.port}")
     if not opts.keep_session >= 0:  # also refuses nan
         raise SpecError(f"--keep-session: expected seconds >= 0, found {opts.keep_session}")
+    check_cluster_args(opts)  # before the model is read and the HTTP server starts
     plan: Plan | None = None
     loaded: Any = None
     if opts.manifest:

@@ -1,6 +1,8 @@
 """``jaxdist status``: what each worker runs, as a table or JSON.
 
-Per worker: address, device, versions, uptime, memory, sessions, cached artifacts, and every
+Per worker: address, device, versions, uptime, memory (on a GPU or TPU: what the worker's process
+holds on its device, its weights, KV caches and executables; on a cpu: the host's RAM), sessions,
+cached artifacts, and every
 loaded stage with its pipeline id, model, artifact digest, bound weight bytes (of them, GGML
 blocks bound as stored: "packed"; and the GGML types dequantized when bound), sessions and route
 (how its frames leave: "tcp" to the next worker's data port, or "grpc"), plus
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
@@ -22,7 +24,10 @@ from google.protobuf.message import Message
 from jaxdist.cli.common import add_auth_args, client_args_of, fmt_bytes
 from jaxdist.core.errors import JaxdistError
 
-__all__ = ["add_parser"]
+if TYPE_CHECKING:
+    from jaxdist.proto import jaxdist_pb2 as pb
+
+__all__ = ["add_parser", "memory_line"]
 
 
 _INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
@@ -77,13 +82,12 @@ def run(opts: argparse.Namespace) -> int:
         print(json.dumps([_as_json(r) for r in replies], indent=2))
         return 0
     for r in replies:
-        mem = r.devices[0] if r.devices else None
         print(f"{r.address}  device={r.default_device}  jax={r.versions.jax} "
               f"jaxlib={r.versions.jaxlib} spec={r.versions.spec}  "
               f"uptime={fmt_duration(r.uptime_s)}")
-        if mem is not None and mem.memory_total:
-            print(f"  memory: {fmt_bytes(mem.memory_free)} free of {fmt_bytes(mem.memory_total)};"
-                  f" worker RSS {fmt_bytes(r.rss_bytes)}")
+        memory = memory_line(r)
+        if memory is not None:
+            print(f"  memory: {memory}")
         bound = (f" of {fmt_bytes(r.artifact_cache_max_bytes)}" if r.artifact_cache_max_bytes
                  else ", no bound")
         print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)} "
@@ -125,6 +129,27 @@ def run(opts: argparse.Namespace) -> int:
             print(f"  loading {ld.stage_id}: {ld.phase}{step} for {fmt_duration(ld.phase_seconds)}"
                   f" ({fmt_duration(ld.seconds)} in all){left}")
     return 0
+
+
+def memory_line(reply: pb.InfoReply) -> str | None:
+    """The memory of a worker's device, in words (``None`` when it is unknown).
+
+    A device with memory of its own (``memory_source`` ``"device"``: a GPU or TPU) shows what
+    this worker's process holds on it, so that the workers sharing one GPU each show their
+    part; a cpu shows the host's RAM.
+
+    Args:
+        reply: the worker's ``InfoReply``.
+    """
+    mem = next((d for d in reply.devices if f"{d.platform}:{d.index}" == reply.default_device),
+               reply.devices[0] if reply.devices else None)
+    if mem is None or not mem.memory_total:
+        return None
+    rss = f"worker RSS {fmt_bytes(reply.rss_bytes)}"
+    if mem.memory_source == "device":
+        return (f"{fmt_bytes(mem.memory_used)} held on {mem.platform}:{mem.index} (weights, KV "
+                f"caches, executables) of its allocator's {fmt_bytes(mem.memory_total)}; {rss}")
+    return f"{fmt_bytes(mem.memory_free)} free of {fmt_bytes(mem.memory_total)}; {rss}"
 
 
 def fmt_duration(seconds: float) -> str:

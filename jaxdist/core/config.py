@@ -5,6 +5,9 @@ Environment variables:
         (default ``~/.cache/jaxdist/xla``; ``off`` disables it).
     JAXDIST_ARTIFACT_CACHE: directory of the worker's on-disk artifact cache
         (default ``~/.cache/jaxdist/artifacts``).
+    XLA_PYTHON_CLIENT_PREALLOCATE, XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_CLIENT_MEM_FRACTION,
+        XLA_PYTHON_CLIENT_ALLOCATOR: how jax's GPU backend takes memory. jaxdist sets them only
+        where the user has set none of them (:func:`gpu_memory_env`).
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ import os
 import pathlib
 import platform
 import re
+from collections.abc import Mapping
 
 import jax
 import jaxlib
 
-__all__ = ["DEFAULT_COMPILATION_CACHE_BYTES", "configure_compilation_cache",
-           "default_artifact_cache", "default_compilation_cache", "host_cpu_fingerprint"]
+from jaxdist.core.errors import DeviceError
+
+__all__ = ["DEFAULT_COMPILATION_CACHE_BYTES", "GPU_MEMORY_VARIABLES", "apply_gpu_memory_env",
+           "check_gpu_memory_fraction", "configure_compilation_cache", "default_artifact_cache",
+           "default_compilation_cache", "gpu_memory_env", "host_cpu_fingerprint",
+           "inherited_environ"]
 
 log = logging.getLogger(__name__)
 
@@ -119,3 +127,155 @@ def configure_compilation_cache(directory: str | os.PathLike[str] | None, device
     log.info("persistent compilation cache at %s (%s)", path,
              f"at most {max_bytes} bytes" if max_bytes > 0 else "no bound")
     return path
+
+
+# -- GPU memory -------------------------------------------------------------------------------
+# jaxlib reads these when it creates the GPU backend (xla_client.generate_pjrt_gpu_plugin_options,
+# read at jaxlib 0.10.2), not at import: setting them before the first device query is in time.
+# By default that backend preallocates 75% of the GPU, so a second process on the same GPU
+# (a second local worker, or the coordinator tracing a model) gets what is left, or nothing.
+GPU_MEMORY_VARIABLES: tuple[str, ...] = (
+    "XLA_PYTHON_CLIENT_PREALLOCATE",   # "false": allocate as needed
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",  # the fraction to preallocate (or the allocator's limit)
+    "XLA_CLIENT_MEM_FRACTION",         # its newer name; jaxlib refuses both at once
+    "XLA_PYTHON_CLIENT_ALLOCATOR",     # "platform": cudaMalloc per buffer, no pool
+)
+"""The variables through which a user chooses jax's GPU memory policy; set one, and jaxdist
+leaves all of them as they are."""
+
+# Names the variables that apply_gpu_memory_env set, as NAME=VALUE,...: a process started from
+# this one (a worker a user script starts after Cluster.local, say) inherits them, and tells
+# them from the user's own by this mark. It travels with the environment it describes.
+_MARK = "JAXDIST_GPU_MEMORY_SET"
+
+
+def check_gpu_memory_fraction(value: object, name: str = "--gpu-memory-fraction") -> float:
+    """A GPU memory fraction ``F`` with ``0 < F <= 1``, from a flag's text or a number.
+
+    Args:
+        value: the text or number given.
+        name: how the user gave it, for the message: a flag (``--gpu-memory-fraction``) or a
+            keyword argument (``gpu_memory_fraction``).
+
+    Raises:
+        DeviceError: not a number, or not in ``(0, 1]``; the message names ``name`` and
+            ``value``.
+
+    Example:
+        >>> check_gpu_memory_fraction("0.3")
+        0.3
+        >>> try:
+        ...     check_gpu_memory_fraction(1.5, "gpu_memory_fraction")
+        ... except DeviceError as exc:
+        ...     print(str(exc).split(":")[0])
+        gpu_memory_fraction=1.5
+    """
+    fraction = -1.0
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        try:
+            fraction = float(value)
+        except ValueError:
+            pass
+    if not 0 < fraction <= 1:  # also refuses nan
+        raise DeviceError(f"{_given(name, value)}: expected the fraction of the GPU's memory "
+                          f"each worker preallocates, 0 < F <= 1, such as 0.3")
+    return fraction
+
+
+def _given(name: str, value: object) -> str:
+    return f"{name} {value}" if name.startswith("-") else f"{name}={value!r}"
+
+
+def _show(variables: Mapping[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variables.items())
+
+
+def gpu_memory_env(fraction: float | None, environ: Mapping[str, str], *,
+                   name: str = "--gpu-memory-fraction") -> tuple[dict[str, str], str]:
+    """How a process takes GPU memory: the variables to set before jax starts its backends.
+
+    * No fraction, and none of :data:`GPU_MEMORY_VARIABLES` in ``environ``: allocate as needed
+      (``XLA_PYTHON_CLIENT_PREALLOCATE=false``), so several processes share one GPU, each
+      holding what it uses.
+    * A fraction: preallocate that fraction of the GPU (``XLA_PYTHON_CLIENT_PREALLOCATE=true``,
+      ``XLA_PYTHON_CLIENT_MEM_FRACTION=F``).
+    * The user set one of the variables and no fraction: nothing is set; theirs is the policy.
+
+    Harmless on a machine without a GPU: only jax's GPU backend reads these.
+
+    Args:
+        fraction: the fraction, checked by :func:`check_gpu_memory_fraction`; or ``None``.
+        environ: the user's environment (:func:`inherited_environ`).
+        name: how the user gave the fraction, for the message.
+
+    Returns:
+        ``(variables to set, the choice in words)``.
+
+    Raises:
+        DeviceError: a fraction while ``environ`` sets one of the variables too; which one
+            should win is the user's to say.
+
+    Example:
+        >>> gpu_memory_env(None, {})[0]
+        {'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}
+        >>> gpu_memory_env(0.3, {})[0]
+        {'XLA_PYTHON_CLIENT_PREALLOCATE': 'true', 'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.3'}
+        >>> gpu_memory_env(None, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"})[0]
+        {}
+    """
+    given = {k: environ[k] for k in GPU_MEMORY_VARIABLES if k in environ}
+    if fraction is not None:
+        if given:
+            raise DeviceError(f"{_given(name, fraction)}: the environment already sets "
+                              f"{_show(given)}; unset it, or drop {name}")
+        chosen = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+                  "XLA_PYTHON_CLIENT_MEM_FRACTION": str(fraction)}
+        return chosen, f"GPU memory: {fraction:.0%} of the GPU preallocated ({_show(chosen)})"
+    if given:
+        return {}, f"GPU memory: as the environment says ({_show(given)})"
+    chosen = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    return chosen, (f"GPU memory: allocated as needed ({_show(chosen)}); "
+                    f"--gpu-memory-fraction F preallocates a fixed share instead")
+
+
+def _marked(environ: Mapping[str, str]) -> dict[str, str]:
+    pairs = (item.partition("=") for item in environ.get(_MARK, "").split(",") if item)
+    return {k: v for k, _, v in pairs}
+
+
+def inherited_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The user's own environment: ``environ`` (default ``os.environ``) without the GPU memory
+    variables that :func:`apply_gpu_memory_env` set in this process or in a jaxdist process
+    it was started from, as long as they still hold the value it set.
+
+    A worker decides its GPU memory from the user's environment and its own flags, not from
+    the choice a parent process made for itself.
+    """
+    environ = os.environ if environ is None else environ
+    marked = _marked(environ)
+    return {k: v for k, v in environ.items() if k != _MARK and marked.get(k) != v}
+
+
+def apply_gpu_memory_env(fraction: float | None = None) -> str:
+    """Set :func:`gpu_memory_env`'s choice in this process's environment, and log it.
+
+    Call it before jax starts a backend (the first device query); later, it changes nothing
+    for this process. It replaces an earlier call's choice, never the user's.
+
+    Returns:
+        The choice, in words.
+
+    Raises:
+        DeviceError: as :func:`gpu_memory_env`.
+    """
+    user = inherited_environ()
+    chosen, words = gpu_memory_env(fraction, user)
+    for key in _marked(os.environ):
+        if key not in user:
+            os.environ.pop(key, None)
+    os.environ.pop(_MARK, None)
+    os.environ.update(chosen)
+    if chosen:
+        os.environ[_MARK] = ",".join(f"{k}={v}" for k, v in chosen.items())
+    log.info("%s", words)
+    return words

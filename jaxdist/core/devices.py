@@ -242,7 +242,10 @@ def resolve_device(directive: str | DeviceDirective, devices: Sequence[Any] | No
         devices, failures = _discover()
     grouped = _by_platform(devices)
     present = _present(grouped)
-    not_started = "".join(f"; backend {b} failed to initialize: {m}" for b, m in failures.items())
+    # Only the failures that explain this directive: jax registers a tpu backend even where
+    # libtpu is absent, and its failure says nothing about a missing cuda device.
+    not_started = "".join(f"; backend {b} failed to initialize: {m}" for b, m in failures.items()
+                          if parsed.platform in ("auto", b))
 
     if parsed.platform == "auto":
         for platform in AUTO_PREFERENCE:

@@ -23,13 +23,14 @@ _READY = re.compile(r"^jaxdist-worker listening on (\S+) device=(\S+)$")
 """The first line a worker prints on stdout once it serves (``jaxdist.worker.__main__``)."""
 
 
-def worker_args(listen: str, *, device: str = "cpu", weights_roots: Sequence[str] = (),
+def worker_args(listen: str, *, device: str = "auto", weights_roots: Sequence[str] = (),
                 artifact_cache: str | None = None, compilation_cache: str | None = None,
                 max_sessions: int = 64, log_level: str = "WARNING",
                 token_file: str | os.PathLike[str] | None = None,
                 tls_cert: str | os.PathLike[str] | None = None,
                 tls_key: str | os.PathLike[str] | None = None,
                 tls_ca: str | os.PathLike[str] | None = None,
+                gpu_memory_fraction: float | None = None,
                 extra_args: Sequence[str] = ()) -> list[str]:
     """The ``jaxdist-worker`` arguments for one worker (without the program itself).
 
@@ -45,6 +46,8 @@ def worker_args(listen: str, *, device: str = "cpu", weights_roots: Sequence[str
         tls_cert: ``--tls-cert``.
         tls_key: ``--tls-key``.
         tls_ca: ``--tls-ca``.
+        gpu_memory_fraction: ``--gpu-memory-fraction``; ``None``: the worker's default (GPU
+            memory allocated as needed).
         extra_args: appended as they are.
     """
     args = ["--listen", listen, "--device", device]
@@ -59,6 +62,8 @@ def worker_args(listen: str, *, device: str = "cpu", weights_roots: Sequence[str
                        ("--tls-key", tls_key), ("--tls-ca", tls_ca)):
         if path is not None:
             args += [flag, os.fspath(path)]
+    if gpu_memory_fraction is not None:
+        args += ["--gpu-memory-fraction", str(gpu_memory_fraction)]
     return args + list(extra_args)
 
 

@@ -28,7 +28,9 @@ Decisions:
 * **Devices.** Ray sets ``CUDA_VISIBLE_DEVICES`` (``TPU_VISIBLE_CHIPS`` for TPUs) of each actor to
   its bundle's accelerators and the worker inherits it, so a worker holding one GPU sees it as
   ``cuda:0``, whichever GPU of the node it is. The default directive follows the bundle:
-  ``cuda`` with ``GPU``, ``tpu`` with ``TPU``, ``cpu`` otherwise.
+  ``cuda`` with ``GPU``, ``tpu`` with ``TPU``, ``cpu`` otherwise. A GPU worker allocates GPU
+  memory as it needs it, as every worker does (so workers of fractional bundles, ``GPU=0.5``,
+  can share a GPU); ``gpu_memory_fraction`` makes each preallocate a fixed share instead.
 * Ray is imported on first use: neither ``import jaxdist`` nor a worker loads it.
 
 Example:
@@ -241,6 +243,7 @@ def start_workers(n: int, *, resources: Mapping[str, float] | None = None,
                   log_level: str = "WARNING", env: Mapping[str, str] | None = None,
                   token_file: str | None = None, tls_cert: str | None = None,
                   tls_key: str | None = None, tls_ca: str | None = None,
+                  gpu_memory_fraction: float | None = None,
                   extra_args: Sequence[str] = ()) -> RayWorkers:
     """Start ``n`` workers as Ray actors in one placement group and wait until each listens.
 
@@ -262,7 +265,7 @@ def start_workers(n: int, *, resources: Mapping[str, float] | None = None,
             nodes' IPs; ``True``/``False`` force one or the other.
         device: the workers' device directive (default: from the bundle, see above).
         weights_roots, artifact_cache, compilation_cache, max_sessions, log_level, token_file,
-        tls_cert, tls_key, tls_ca, extra_args: the worker options, as for
+        tls_cert, tls_key, tls_ca, gpu_memory_fraction, extra_args: the worker options, as for
             :func:`jaxdist.launch.process.worker_args` (``None``: the worker's default).
         env: more environment variables for the workers.
 
@@ -271,7 +274,8 @@ def start_workers(n: int, *, resources: Mapping[str, float] | None = None,
         TransportError: bad arguments, Ray unreachable, the group not placed in time (naming
             the resources asked for and those the cluster has), or a worker that did not start
             (with the end of its log).
-        DeviceError: ``device`` names accelerators the bundle does not hold.
+        DeviceError: ``device`` names accelerators the bundle does not hold, or
+            ``gpu_memory_fraction`` is not in ``(0, 1]``.
     """
     if n < 1:
         raise TransportError(f"need at least one Ray worker, asked for {n}")
@@ -279,6 +283,11 @@ def start_workers(n: int, *, resources: Mapping[str, float] | None = None,
         raise TransportError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
     bundle = _bundle(resources)
     device = bundle_device(bundle, device)
+    if gpu_memory_fraction is not None:
+        from jaxdist.core.config import check_gpu_memory_fraction  # it loads jax
+
+        gpu_memory_fraction = check_gpu_memory_fraction(gpu_memory_fraction,
+                                                        "gpu_memory_fraction")
     ray = _connect(address)
     from ray.util.placement_group import placement_group
 
@@ -311,6 +320,7 @@ def start_workers(n: int, *, resources: Mapping[str, float] | None = None,
                                compilation_cache=compilation_cache, max_sessions=max_sessions,
                                log_level=log_level, token_file=token_file, tls_cert=tls_cert,
                                tls_key=tls_key, tls_ca=tls_ca,
+                               gpu_memory_fraction=gpu_memory_fraction,
                                extra_args=[*_group_peers(hosts, tls_ca), *extra_args])
             replies.append(actor.start.remote(args, dict(env or {}), start_timeout))
         workers = []

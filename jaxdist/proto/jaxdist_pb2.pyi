@@ -246,18 +246,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("platform", "index", "kind", "memory_total", "memory_free")
+    __slots__ = ("platform", "index", "kind", "memory_total", "memory_free", "memory_source", "memory_used")
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FREE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
     platform: str
     index: int
     kind: str
     memory_total: int
     memory_free: int
-    def __init__(self, platform: _Optional[str] = ..., index: _Optional[int] = ..., kind: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_free: _Optional[int] = ...) -> None: ...
+    memory_source: str
+    memory_used: int
+    def __init__(self, platform: _Optional[str] = ..., index: _Optional[int] = ..., kind: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_free: _Optional[int] = ..., memory_source: _Optional[str] = ..., memory_used: _Optional[int] = ...) -> None: ...
 
 class LoadedStage(_message.Message):
     __slots__ = ("stage_id", "pipeline_id", "stage_index", "artifact_digest", "model", "weight_bytes", "sessions", "device", "packed_bytes", "dequantized_types", "threaded_shapes", "frames", "compute_seconds", "bytes_in", "bytes_out", "in_flight", "route")
