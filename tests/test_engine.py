@@ -29,9 +29,10 @@ from models import save_tiny_llama
 
 from jaxdist.coordinator.cluster import Cluster
 from jaxdist.coordinator.detokenizer import IncrementalDetokenizer, TextStream
-from jaxdist.coordinator.engine import Engine, EngineClosed, QueueFull
+from jaxdist.coordinator.engine import Engine, EngineClosed, QueueFull, RequestFailed
 from jaxdist.coordinator.generation import Generator, SamplingParams
 from jaxdist.coordinator.inprocess import InProcessPipeline
+from jaxdist.coordinator.request import ParamError
 from jaxdist.core.errors import LimitError, RemoteStageError, SpecError
 from jaxdist.exporters.llama import llama_model
 from jaxdist.exporters.tokenizer import Tokenizer, load_tokenizer
@@ -540,6 +541,109 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny, pipe):
             hf, PROMPTS[0], 6)
 
 
+def _slipped_past(params: SamplingParams, **values: Any) -> SamplingParams:
+    """``params`` with values its checks refuse, set behind their back: a value that reaches
+    the step loop anyway (a bug elsewhere), as ``top_k=1e20`` did before issue #33."""
+    for name, value in values.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(tiny, pipe):
+    """Issue #33: top_k=1e20 raised OverflowError while its step was built, and the engine
+    closed for good. Now only that request fails (RequestFailed, the error as its cause), even
+    when it shares a prefill step with others; they and later requests are served."""
+    _, hf, model = tiny
+    engine, rec = _observed(pipe, model, prefill_rows=SLOTS)
+    done, reached = threading.Event(), threading.Event()
+    with engine:
+        # Hold the loop so the three wait together and are prefilled in one step.
+        rec.at_token[("hold", 1)] = _block_until(done, reached)
+        hold = engine.submit([1, 2], _greedy(2), request_id="hold")
+        assert reached.wait(WAIT)
+        good = engine.submit(PROMPTS[0], _greedy(6))
+        bad = engine.submit(PROMPTS[3], _slipped_past(_greedy(6), top_k=10**20),
+                            request_id="bad")
+        other = engine.submit(PROMPTS[2], _greedy(5))
+        done.set()
+        with pytest.raises(RequestFailed, match=r"request 'bad' failed in the generation "
+                                                r"engine while building its step's inputs: "
+                                                r"OverflowError") as err:
+            bad.result(WAIT)
+        assert isinstance(err.value.__cause__, OverflowError)
+        assert hold.result(WAIT).finish_reason == "length"
+        assert good.result(WAIT).tokens == _hf_greedy(hf, PROMPTS[0], 6)
+        assert other.result(WAIT).tokens == _hf_greedy(hf, PROMPTS[2], 5)
+        assert engine.stopped is None and engine.slots_in_use == 0
+        assert engine.submit(PROMPTS[1], _greedy(4)).result(WAIT).tokens == _hf_greedy(
+            hf, PROMPTS[1], 4)
+    assert rec.of("finished", "bad")[0][2] == "error"
+    assert engine.stopped == "the generation engine was closed"
+
+
+class _FailsOn:
+    """A detokenizer that fails on one id, as a buggy tokenizer would: the failure comes while
+    the engine hands a request its new token."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def decode(self, ids: list[int]) -> str:
+        if self.bad in ids:
+            raise ValueError(f"cannot decode id {self.bad}")
+        return Letters().decode(ids)
+
+
+def test_a_request_whose_text_fails_fails_alone(tiny, pipe):
+    _, hf, model = tiny
+    want = _hf_greedy(hf, PROMPTS[0], 8)
+    other = _hf_greedy(hf, PROMPTS[2], 8)
+    bad_id = next(t for t in want[2:] if t not in other)
+    with _engine(pipe, model, tokenizer=_FailsOn(bad_id)) as engine:
+        failing = engine.submit(PROMPTS[0], _greedy(8))
+        fine = engine.submit(PROMPTS[2], _greedy(8))
+        with pytest.raises(RequestFailed, match=f"while handling its new token: ValueError: "
+                                                f"cannot decode id {bad_id}"):
+            failing.result(WAIT)
+        assert fine.result(WAIT).tokens == other
+        assert engine.stopped is None
+
+
+def test_error_parameters_out_of_range_name_the_field_before_anything_runs(tiny, pipe):
+    """One check for every front end: SamplingParams' own ranges when it is made, the model's
+    (the vocabulary) when a request is submitted or a Generator runs."""
+    _, _, model = tiny
+    with pytest.raises(ParamError, match=r"^top_k: expected an integer in 0\.\.2147483647 "
+                                         r".*found 100000000000000000000$"):
+        SamplingParams(top_k=10**20)
+    for kw, field in (({"temperature": float("nan")}, "temperature"), ({"seed": 1 << 32}, "seed"),
+                      ({"top_p": 0.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+                      ({"stop_strings": ("x",) * 9}, "stop_strings"),
+                      ({"stop_strings": ("x" * 129,)}, "stop_strings[0]"),
+                      ({"stop_ids": frozenset({-1})}, "stop_ids")):
+        with pytest.raises(ParamError) as err:
+            SamplingParams(**kw)
+        assert err.value.field == field and "expected" in str(err.value), str(err.value)
+    vocab = 256  # the tiny Llama's
+    gated = GatedPipeline(pipe, WAIT)  # closed: nothing may reach the pipeline
+    with _engine(gated, model, vocab_size=vocab) as engine:
+        with pytest.raises(ParamError, match=r"request 'k': top_k: expected an integer in "
+                                             r"0\.\.256 .* found 257"):
+            engine.submit([1], _greedy(2, top_k=vocab + 1), request_id="k")
+        with pytest.raises(ParamError, match=r"request 'p': prompt\[1\]: expected a token id "
+                                             r"in 0\.\.255 \(the vocabulary of 256 tokens\), "
+                                             r"found 256"):
+            engine.submit([1, vocab], request_id="p")
+        with pytest.raises(ParamError, match=r"stop_ids: expected token ids in 0\.\.255"):
+            engine.submit([1], _greedy(2, stop_ids=frozenset({vocab})))
+        assert engine.num_waiting == engine.num_running == 0
+    gen = Generator(pipe, input_dtypes=_dtypes(model), max_slots=SLOTS, max_seq=SEQ,
+                    prefill_buckets=BUCKETS, vocab_size=vocab)
+    with pytest.raises(ParamError, match=r"prompt 1: top_k: expected an integer in 0\.\.256"):
+        gen.run([[1], [2]], [_greedy(2), _greedy(2, top_k=1000)])
+    assert gen._engine is None  # refused before the engine started
+
+
 def test_an_idle_engine_keeps_its_session_then_ends_it(tiny, pipe):
     """The KV memory outlives an idle gap: the next request runs on the same session (it pays
     no allocation); after keep_session_s without a request the session is ended."""
@@ -586,6 +690,7 @@ def test_an_engine_never_closed_ends_its_session_at_exit(tiny):
 import sys
 from jaxdist.coordinator.engine import Engine
 from jaxdist.coordinator.inprocess import InProcessPipeline
+from jaxdist.coordinator.request import ParamError
 from jaxdist.coordinator.request import SamplingParams
 from jaxdist.exporters.llama import llama_model
 

@@ -104,9 +104,9 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 
 def test_error_bad_sampling_params():
-    with pytest.raises(SpecError, match="top_p must be in"):
+    with pytest.raises(SpecError, match=r"^top_p: expected a number in \(0, 1\], found 0$"):
         SamplingParams(top_p=0)
-    with pytest.raises(SpecError, match="max_tokens must be >= 1"):
+    with pytest.raises(SpecError, match=r"^max_tokens: expected an integer >= 1, found 0$"):
         SamplingParams(max_tokens=0)
 
 

@@ -2,6 +2,8 @@
 
 Each turn renders the whole conversation with the model's chat template and runs it through
 the same :class:`~jaxdist.coordinator.engine.Engine` as ``jaxdist serve``, streaming the reply.
+As there, special-token text typed in a message (``<|im_end|>``) is tokenized as plain text
+(:class:`~jaxdist.coordinator.chat_template.ChatEncoder`): only the template ends turns.
 ``/reset`` starts over, ``/exit`` (or end of input) leaves. The conversation must fit the KV
 cache (``--max-seq``); when it no longer does, the oldest turns are dropped, and it says so.
 """
@@ -15,6 +17,7 @@ from typing import Any
 
 from jaxdist.cli.common import ProgressBar, add_cluster_args, check_cluster_args, open_cluster
 from jaxdist.cli.generate import add_model_args, manifest_plan, model_plan
+from jaxdist.coordinator.chat_template import ChatEncoder
 from jaxdist.coordinator.request import SamplingParams
 from jaxdist.core.errors import SpecError
 
@@ -34,15 +37,14 @@ def add_parser(sub: Any) -> None:
     c.set_defaults(run=run_chat)
 
 
-def _fit(tok: Any, messages: list[dict[str, str]], max_seq: int, room: int
+def _fit(chat: ChatEncoder, messages: list[dict[str, str]], max_seq: int, room: int
          ) -> tuple[list[int], int]:
     """The prompt ids of the conversation, dropping the oldest turns (never the system prompt
     or the last message) until it leaves ``room`` tokens; and how many messages were dropped."""
     keep = list(messages)
     dropped = 0
     while True:
-        ids = tok.encode(tok.apply_chat_template(keep, add_generation_prompt=True),
-                         add_special_tokens=False)
+        ids = chat.encode(keep, add_generation_prompt=True)
         first = 1 if keep and keep[0]["role"] == "system" else 0
         if len(ids) + room <= max_seq or len(keep) - first <= 1:
             return ids, dropped
@@ -59,6 +61,7 @@ def run_chat(opts: argparse.Namespace) -> int:
     if tok is None or getattr(tok, "chat_template", None) is None:
         raise SpecError(f"model {plan.name} has no tokenizer with a chat template here; "
                         f"jaxdist chat needs one (use jaxdist generate --prompt-ids)")
+    chat = ChatEncoder(tok)
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature,
                             top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed)
     system = [{"role": "system", "content": opts.system}] if opts.system else []
@@ -86,7 +89,7 @@ def run_chat(opts: argparse.Namespace) -> int:
                     continue
                 messages.append({"role": "user", "content": text})
                 room = min(opts.max_tokens, plan.lm.max_seq // 2)
-                ids, dropped = _fit(tok, messages, plan.lm.max_seq, room)
+                ids, dropped = _fit(chat, messages, plan.lm.max_seq, room)
                 if dropped:
                     print(f"(the oldest {dropped} messages no longer fit the KV cache "
                           f"(--max-seq {plan.lm.max_seq}) and are left out)", file=sys.stderr)

@@ -64,6 +64,11 @@ def add_parser(sub: Any) -> None:
                    help="how long the workers keep the KV memory of an idle server for the "
                         "next request, which then does not wait for it to be allocated "
                         "(default %(default)s; 0 frees it with the last request)")
+    s.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="let special-token text in chat messages (e.g. '<|im_end|>') become "
+                        "the model's control tokens, so a client can close its turn or open a "
+                        "system turn; by default it is tokenized as plain text, and only the "
+                        "chat template writes control tokens. Only for trusted clients")
     s.set_defaults(run=run_serve)
 
 
@@ -119,11 +124,14 @@ class _Loader(threading.Thread):
                     engine = Engine.for_model(pipe, self.plan.lm, tokenizer=self.plan.tokenizer,
                                               max_queue=self.opts.max_queue,
                                               observer=self.state.metrics,
-                                              keep_session_s=self.opts.keep_session)
+                                              keep_session_s=self.opts.keep_session,
+                                              vocab_size=self.plan.vocab)
                     self.state.metrics.watch_engine(engine)
                     served = Served(self.state.name, "causal-lm", self.plan.tokenizer,
                                     engine=engine, max_seq=self.plan.lm.max_seq,
-                                    broken=lambda: pipe.broken)
+                                    broken=lambda: pipe.broken,
+                                    special_tokens_in_content=(
+                                        self.opts.allow_special_tokens_in_content))
                 else:
                     pipe = deploy_traced(self.opts, self.loaded.model)(cluster, progress)
                     engine = None
@@ -187,7 +195,8 @@ def run_serve(opts: argparse.Namespace) -> int:
         name, roots, loaded = load_for(opts)
         if loaded.causal_lm is not None:
             plan = Plan(name, roots, loaded.tokenizer, loaded.causal_lm,
-                        deploy_traced(opts, loaded.model))
+                        deploy_traced(opts, loaded.model),
+                        vocab=getattr(loaded.model.meta.get("config"), "vocab", None))
         elif loaded.kind != "encoder":
             raise SpecError(f"model {name} is a {loaded.kind}; jaxdist serve runs causal LMs "
                             f"and encoders")

@@ -45,11 +45,11 @@ import numpy as np
 
 from jaxdist.coordinator.detokenizer import Detokenizer, TextStream
 from jaxdist.coordinator.request import Delta, GenerationResult, RequestStream, SamplingParams
-from jaxdist.coordinator.steps import StepPipeline, check_prompt, default_depth, step_inputs
+from jaxdist.coordinator.steps import StepPipeline, check_request, default_depth, step_inputs
 from jaxdist.core.errors import JaxdistError, LimitError, SessionError, SpecError
-from jaxdist.export.causal_lm import CausalLM
+from jaxdist.export.causal_lm import STEP_INPUTS, CausalLM
 
-__all__ = ["Engine", "EngineClosed", "EngineObserver", "QueueFull"]
+__all__ = ["Engine", "EngineClosed", "EngineObserver", "QueueFull", "RequestFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,20 @@ class EngineClosed(JaxdistError):
     """The engine was closed (or its step loop failed) and takes no more requests."""
 
     code = "UNAVAILABLE"
+
+
+class RequestFailed(JaxdistError):
+    """One request failed in the engine itself, not on a worker: building its step's inputs or
+    reading its tokens raised (a bug, or a value that slipped past the checks at submission).
+    Only that request ends with it; the engine and the other requests go on. The original
+    exception is the ``__cause__``.
+
+    Example:
+        >>> try:                                                  # doctest: +SKIP
+        ...     stream.result()
+        ... except RequestFailed as exc:  # jaxdist serve answers 500
+        ...     print(exc.__cause__)
+    """
 
 
 @dataclasses.dataclass(eq=False)
@@ -163,6 +177,15 @@ class Engine:
             (the workers compiled those shapes). 1: one prompt per prefill step.
         keep_session_s: seconds an idle engine keeps its session, and the workers its KV
             memory, for the next request; 0 ends it as soon as the last request ends.
+        vocab_size: token ids the model knows: prompt ids, ``top_k`` and ``stop_ids`` are
+            checked against it at :meth:`submit`. ``None``: not known (ids must fit int32).
+
+    A request is checked when it is submitted (:func:`~jaxdist.coordinator.steps.check_request`),
+    so no value of one reaches a step. Should one request still fail in the engine (building
+    its inputs, decoding its text), it alone ends, with :class:`RequestFailed`; a failed step
+    on a worker fails over, or fails the requests of the session, as before. Only a fault of
+    the engine itself stops it: :attr:`stopped` then says why, and :meth:`submit` raises
+    :class:`EngineClosed`.
 
     Example:
         >>> import numpy as np
@@ -189,7 +212,7 @@ class Engine:
                  eos_ids: Iterable[int] = (), tokenizer: Detokenizer | None = None,
                  depth: int = 1, max_failovers: int = 3, max_queue: int | None = 256,
                  observer: EngineObserver | None = None, prefill_rows: int = 1,
-                 keep_session_s: float = 60.0) -> None:
+                 keep_session_s: float = 60.0, vocab_size: int | None = None) -> None:
         for name, value, least in (("max_slots", max_slots, 1), ("max_seq", max_seq, 2),
                                    ("prefill_rows", prefill_rows, 1),
                                    ("keep_session_s", keep_session_s, 0),
@@ -199,6 +222,12 @@ class Engine:
                 raise SpecError(f"{name} must be >= {least}, got {value}")
         if not prefill_buckets or min(prefill_buckets) < 1:
             raise SpecError(f"prefill_buckets must be lengths >= 1, got {list(prefill_buckets)}")
+        if vocab_size is not None and vocab_size < 1:
+            raise SpecError(f"vocab_size must be >= 1 or None, got {vocab_size}")
+        unknown = sorted(set(input_dtypes) - set(STEP_INPUTS))
+        if unknown:  # else every step would fail to build: refused here, once
+            raise SpecError(f"input_dtypes: the model expects step inputs {unknown} that "
+                            f"generation does not fill; it fills {list(STEP_INPUTS)}")
         self.pipeline = pipeline
         self.dtypes = dict(input_dtypes)
         self.max_slots = max_slots
@@ -212,6 +241,7 @@ class Engine:
         self.observer = observer
         self.prefill_rows = min(prefill_rows, max_slots)
         self.keep_session_s = keep_session_s
+        self.vocab_size = vocab_size
         self._cv = threading.Condition()
         # Shared with submitters, under _cv:
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -247,8 +277,8 @@ class Engine:
     def for_model(cls, pipeline: StepPipeline, lm: CausalLM, *,
                   tokenizer: Detokenizer | None = None, depth: int | None = None,
                   max_failovers: int = 3, max_queue: int | None = 256,
-                  observer: EngineObserver | None = None, keep_session_s: float = 60.0
-                  ) -> Engine:
+                  observer: EngineObserver | None = None, keep_session_s: float = 60.0,
+                  vocab_size: int | None = None) -> Engine:
         """The engine for a deployed causal LM, configured by its contract.
 
         Args:
@@ -259,6 +289,8 @@ class Engine:
             depth: steps in flight; default: one per stage of a deployed pipeline
                 (``len(pipeline.specs)``), 1 for a pipeline without stage specs.
             max_failovers, max_queue, observer, keep_session_s: see :class:`Engine`.
+            vocab_size: token ids the model knows; default: the tokenizer's ``vocab_size``
+                (when it has one).
 
         Example:
             >>> loaded = load_model("SmolLM2.gguf", roots=["/models"])   # doctest: +SKIP
@@ -270,7 +302,9 @@ class Engine:
                    max_seq=lm.max_seq, prefill_buckets=lm.prefill_buckets, eos_ids=lm.eos_ids,
                    tokenizer=tokenizer, depth=default_depth(pipeline) if depth is None else depth,
                    max_failovers=max_failovers, max_queue=max_queue, observer=observer,
-                   prefill_rows=lm.prefill_rows, keep_session_s=keep_session_s)
+                   prefill_rows=lm.prefill_rows, keep_session_s=keep_session_s,
+                   vocab_size=(vocab_size if vocab_size is not None
+                               else getattr(tokenizer, "vocab_size", None)))
 
     # -- the callers' side ------------------------------------------------------------------
 
@@ -289,6 +323,7 @@ class Engine:
         Raises:
             SpecError: the prompt is empty or does not fit the cache; stop strings without a
                 tokenizer; the id is taken.
+            ParamError: a prompt id, ``top_k`` or a stop id outside the vocabulary.
             QueueFull: every slot is busy and ``max_queue`` requests already wait.
             EngineClosed: the engine was closed.
         """
@@ -298,8 +333,11 @@ class Engine:
                 request_id: str | None = None, where: str | None = None,
                 on_push: Callable[[], None] | None = None) -> RequestStream:
         rid = uuid.uuid4().hex if request_id is None else request_id
-        prompt = [int(t) for t in prompt_ids]
-        check_prompt(prompt, self.max_seq, where or f"the prompt of request {rid!r}")
+        prompt = list(prompt_ids)
+        check_request(prompt, params, max_seq=self.max_seq, vocab_size=self.vocab_size,
+                      where=where or f"the prompt of request {rid!r}",
+                      context=f"{where}: " if where else f"request {rid!r}: ")
+        prompt = [int(t) for t in prompt]
         if params.stop_strings and self.tokenizer is None:
             raise SpecError(f"request {rid!r} has stop_strings {params.stop_strings!r}, but "
                             f"the engine has no tokenizer to find them in the text; pass "
@@ -369,6 +407,18 @@ class Engine:
         """Steps completed since the engine started."""
         with self._cv:
             return self._steps
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the engine takes no more requests (closed, or its step loop failed); ``None``
+        while it does. ``jaxdist serve``'s ``/health`` answers 503 with it."""
+        with self._cv:
+            fatal, closing = self._fatal, self._closing
+        if fatal is not None:
+            return f"the generation engine stopped: {type(fatal).__name__}: {fatal}"
+        if closing:
+            return "the generation engine was closed"
+        return None
 
     @property
     def recomputed(self) -> int:
@@ -537,8 +587,13 @@ class Engine:
             for r, _ in rows:
                 r.scheduled = r.scheduled or now
                 self._announce(r)
-            arrays = step_inputs([(r.slot, r.pos, toks, r.params) for r, toks in rows], s,
-                                 dtypes=self.dtypes, max_slots=self.max_slots)
+            try:
+                arrays = step_inputs([(r.slot, r.pos, toks, r.params) for r, toks in rows], s,
+                                     dtypes=self.dtypes, max_slots=self.max_slots)
+            except Exception as exc:
+                if not self._fail_culprits(rows, s, exc):
+                    raise  # no one request's: a fault of the engine (the loop stops)
+                continue  # the others go in the next step
             if self._session is None:
                 self._session, self._step_ids = f"gen-{uuid.uuid4().hex[:12]}", itertools.count()
             elif self._idle_since is not None:
@@ -551,6 +606,35 @@ class Engine:
             self._inflight.append(_Step(future, rows, s, time.perf_counter()))
             for r, _ in rows:
                 r.in_flight = True
+
+    def _fail_culprits(self, rows: list[tuple[_Request, list[int]]], s: int,
+                       error: Exception) -> bool:
+        """A step's inputs could not be built: fail each request whose row alone cannot be
+        built either (the error is its own). Returns whether there was one."""
+        culprits = []
+        for r, toks in rows:
+            try:
+                step_inputs([(r.slot, r.pos, toks, r.params)], s, dtypes=self.dtypes,
+                            max_slots=self.max_slots)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, it is this request's
+                culprits.append((r, exc))
+        for r, own in culprits:
+            self._fail_request(r, own, "building its step's inputs")
+        if not culprits:
+            log.error("generation engine: a step's inputs could not be built, but each of its "
+                      "%d rows can be alone: %s", len(rows), error)
+        return bool(culprits)
+
+    def _fail_request(self, r: _Request, error: Exception, doing: str, *,
+                      released: bool = False) -> None:
+        """End ``r`` alone with :class:`RequestFailed`: ``error`` arose in the engine while
+        ``doing`` something for it."""
+        log.error("generation engine: request %s failed while %s; the other requests go on",
+                  r.rid, doing, exc_info=error)
+        failure = RequestFailed(f"request {r.rid!r} failed in the generation engine while "
+                                f"{doing}: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        self._fail(r, failure, released=released)
 
     def _receive(self) -> None:
         """Wait for the oldest step in flight and hand its tokens to their requests."""
@@ -569,24 +653,32 @@ class Engine:
             r.in_flight = False
             if r.done or r.abort:
                 continue  # aborted while in flight: its slot may already be someone else's
-            r.pos += len(toks)
-            if r.pending:
-                if r.plan:
-                    del r.plan[0]
-                else:
-                    r.chunks.append((len(toks), step.tokens_per_row))
-                del r.pending[:len(toks)]
-                if r.pending:
-                    continue  # more prompt to prefill: the sampled token is not used
-                if r.recompute:
-                    r.recompute = False  # the prompt is in the cache; its token is known
-                    continue
-            elif r.replay:
-                del r.replay[0]  # a token known already, decoded again to rebuild the cache
-                continue
-            self._token(r, int(tok), now)
+            try:
+                self._advance(r, toks, step.tokens_per_row, tok, now)
+            except Exception as exc:  # noqa: BLE001 - its text, its stop strings: its own
+                self._fail_request(r, exc, "handling its new token")
         with self._cv:
             self._steps += 1
+
+    def _advance(self, r: _Request, toks: list[int], tokens_per_row: int, tok: int,
+                 now: float) -> None:
+        """``r``'s row of a step came back with ``tok``: its cache holds ``toks`` more."""
+        r.pos += len(toks)
+        if r.pending:
+            if r.plan:
+                del r.plan[0]
+            else:
+                r.chunks.append((len(toks), tokens_per_row))
+            del r.pending[:len(toks)]
+            if r.pending:
+                return  # more prompt to prefill: the sampled token is not used
+            if r.recompute:
+                r.recompute = False  # the prompt is in the cache; its token is known
+                return
+        elif r.replay:
+            del r.replay[0]  # a token known already, decoded again to rebuild the cache
+            return
+        self._token(r, int(tok), now)
 
     def _token(self, r: _Request, tok: int, now: float) -> None:
         r.tokens.append(tok)
@@ -635,7 +727,11 @@ class Engine:
             if r.abort:
                 reason = "abort"  # abort() returned True: the request ends as aborted
         if r.text is not None:
-            more, stopped = r.text.finish()
+            try:
+                more, stopped = r.text.finish()
+            except Exception as exc:  # noqa: BLE001 - its text: its own failure
+                self._fail_request(r, exc, "finishing its text", released=True)
+                return
             text += more
             if stopped and reason in ("length", "max_seq"):
                 reason, r.stop_at = "stop", len(r.tokens) - 1
@@ -650,10 +746,11 @@ class Engine:
         self._outbox.append((r.stream, Delta(r.rid, token_ids, text, reason, len(r.prompt),
                                              len(r.tokens)), result))
 
-    def _fail(self, r: _Request, error: BaseException) -> None:
-        """End ``r`` with ``error``, raised to its consumer."""
+    def _fail(self, r: _Request, error: BaseException, *, released: bool = False) -> None:
+        """End ``r`` with ``error``, raised to its consumer (``released``: it is out of the
+        engine already)."""
         with self._cv:
-            if not self._release_locked(r):
+            if not released and not self._release_locked(r):
                 return
         e2e = time.perf_counter() - r.submitted
         self._observe(lambda o: o.finished(r.rid, "error", len(r.prompt), len(r.tokens), e2e))

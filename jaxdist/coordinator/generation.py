@@ -20,7 +20,7 @@ from typing import Self
 from jaxdist.coordinator.detokenizer import Detokenizer
 from jaxdist.coordinator.engine import Engine
 from jaxdist.coordinator.request import GenerationResult, RequestStream, SamplingParams
-from jaxdist.coordinator.steps import StepPipeline, check_prompt, default_depth
+from jaxdist.coordinator.steps import StepPipeline, check_request, default_depth
 from jaxdist.core.errors import SpecError
 from jaxdist.export.causal_lm import CausalLM
 
@@ -55,6 +55,8 @@ class Generator:
             :meth:`jaxdist.coordinator.pipeline.Pipeline.recover`); 0 never fails over.
         prefill_rows: prompts one prefill step may carry (the contract's
             :attr:`~jaxdist.export.causal_lm.CausalLM.prefill_rows`); 1: one per step.
+        vocab_size: token ids the model knows; prompt ids, ``top_k`` and stop ids are checked
+            against it before anything runs. ``None``: not known (ids must fit int32).
 
     The settings are read when the engine starts, on the first :meth:`run` or :meth:`stream`.
     Failover is the engine's: the running sequences are prefilled again on a new session
@@ -64,7 +66,8 @@ class Generator:
     def __init__(self, pipeline: StepPipeline, *, input_dtypes: Mapping[str, str],
                  max_slots: int, max_seq: int, prefill_buckets: Sequence[int],
                  eos_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None,
-                 depth: int = 1, max_failovers: int = 3, prefill_rows: int = 1) -> None:
+                 depth: int = 1, max_failovers: int = 3, prefill_rows: int = 1,
+                 vocab_size: int | None = None) -> None:
         self.pipeline = pipeline
         self.dtypes = dict(input_dtypes)
         self.max_slots = max_slots
@@ -77,6 +80,7 @@ class Generator:
         self.depth = depth
         self.max_failovers = max_failovers
         self.prefill_rows = prefill_rows
+        self.vocab_size = vocab_size
         if not self.buckets:
             raise SpecError("prefill_buckets must not be empty")
         self._engine: Engine | None = None
@@ -94,7 +98,8 @@ class Generator:
             pipeline: the deployed pipeline of the model ``lm`` describes (or an in-process one).
             lm: the model's contract, from its exporter (``LoadedModel.causal_lm``) or its
                 manifest (``CausalLM.from_options(manifest.model.options, inputs=...)``).
-            tokenizer: its ``decode`` serves stop strings; ``None``: no stop strings.
+            tokenizer: its ``decode`` serves stop strings, its ``vocab_size`` bounds token ids
+                and ``top_k``; ``None``: no stop strings.
             depth: steps in flight at once; default: one per stage of a deployed pipeline
                 (``len(pipeline.specs)``, pipeline parallelism), 1 for a pipeline without
                 stage specs (an in-process one, where more would gain nothing).
@@ -110,7 +115,8 @@ class Generator:
                    max_seq=lm.max_seq, prefill_buckets=lm.prefill_buckets, eos_ids=lm.eos_ids,
                    decode=tokenizer.decode if tokenizer is not None else None,
                    depth=default_depth(pipeline) if depth is None else depth,
-                   max_failovers=max_failovers, prefill_rows=lm.prefill_rows)
+                   max_failovers=max_failovers, prefill_rows=lm.prefill_rows,
+                   vocab_size=getattr(tokenizer, "vocab_size", None))
 
     @property
     def engine(self) -> Engine:
@@ -123,7 +129,7 @@ class Generator:
                     tokenizer=_DecodeFn(self.decode) if self.decode is not None else None,
                     depth=self.depth, max_failovers=self.max_failovers,
                     max_queue=None,  # a batch waits for slots by design
-                    prefill_rows=self.prefill_rows)
+                    prefill_rows=self.prefill_rows, vocab_size=self.vocab_size)
             return self._engine
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -141,14 +147,17 @@ class Generator:
             One result per prompt, in order.
 
         Raises:
-            SpecError: an empty prompt or one longer than the cache (before anything runs).
+            SpecError: an empty prompt or one longer than the cache, a token id or a sampling
+                parameter the model cannot take (:class:`ParamError`, naming the field), all
+                before anything runs.
             JaxdistError: the pipeline failed and could not fail over.
         """
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise SpecError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
-        for i, prompt in enumerate(prompts):
-            check_prompt(prompt, self.max_seq, f"prompt {i}")
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            check_request(list(prompt), p, max_seq=self.max_seq, vocab_size=self.vocab_size,
+                          where=f"prompt {i}", context=f"prompt {i}: ")
         engine = self.engine
         woken: queue.SimpleQueue[int] = queue.SimpleQueue()
         streams: list[RequestStream] = []
@@ -176,7 +185,8 @@ class Generator:
     def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()
                ) -> Iterator[int]:
         """Generate for one prompt, yielding each token as it arrives."""
-        check_prompt(prompt, self.max_seq, "prompt 0")
+        check_request(list(prompt), params, max_seq=self.max_seq, vocab_size=self.vocab_size,
+                      where="prompt 0", context="prompt 0: ")
         with self.engine._submit(prompt, params, where="prompt 0") as stream:
             for delta in stream:  # leaving early aborts the request
                 yield from delta.token_ids

@@ -17,6 +17,7 @@ import pathlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Self
 
+from jaxdist.coordinator.chat_template import ChatEncoder
 from jaxdist.coordinator.cluster import Cluster
 from jaxdist.coordinator.engine import Engine
 from jaxdist.coordinator.remote import WorkerHeaders, check_model_on
@@ -171,7 +172,8 @@ class LLM:
     def chat(self, messages: str | Sequence[Mapping[str, str]], **sampling: Any
              ) -> GenerationResult:
         """Answer a conversation (``[{"role": "user", "content": "..."}]``, or one user
-        message as a string), formatted with the model's chat template."""
+        message as a string), formatted with the model's chat template. Special-token text
+        in a message's content (``<|im_end|>``) is tokenized as plain text."""
         return self.engine.submit(self._chat_ids(messages), _params(sampling)).result()
 
     def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[str]:
@@ -196,8 +198,8 @@ class LLM:
                             f"a chat with")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        text = self.tokenizer.apply_chat_template(list(messages))
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # Special-token text in a message's content stays plain text (chat_template.py).
+        return ChatEncoder(self.tokenizer).encode(list(messages))
 
     # -- lifetime ---------------------------------------------------------------------------
 

@@ -13,14 +13,16 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import numbers
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Self
 
 from jaxdist.core.errors import SpecError
 
-__all__ = ["Delta", "GenerationResult", "RequestStream", "SamplingParams"]
+__all__ = ["Delta", "GenerationResult", "ParamError", "RequestStream", "SamplingParams",
+           "check_token_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -29,29 +31,112 @@ FINISH_REASONS = ("eos", "stop", "length", "max_seq", "abort")
 length, or an abort (:meth:`RequestStream.abort`, :meth:`Engine.abort`, :meth:`Engine.close`)."""
 
 
+INT32_MAX = (1 << 31) - 1
+UINT32_MAX = (1 << 32) - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the wire's temperature
+MAX_STOP_STRINGS = 8  # stop strings per request: the text is searched for each at every token
+MAX_STOP_CHARS = 128  # characters per stop string: that much text may be held back
+
+
+class ParamError(SpecError):
+    """A request parameter is out of its range. The message names the field, the range and the
+    value found; :attr:`field` and :attr:`detail` carry them apart, for a front end that names
+    the field in its own way (``jaxdist serve``'s 400 bodies).
+
+    Attributes:
+        field: the parameter (``"top_k"``, ``"prompt"``, ...).
+        detail: what was expected and what was found, without the field.
+    """
+
+    def __init__(self, field: str, detail: str, *, context: str = "") -> None:
+        super().__init__(f"{context}{field}: {detail}")
+        self.field = field
+        self.detail = detail
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _found(value: object) -> str:
+    """``value`` for a message: short, and never a 5000-digit integer (Python refuses to
+    print one)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 192:
+        return f"an integer of {value.bit_length()} bits"
+    text = str(value) if _is_real(value) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _id_range(vocab_size: int | None) -> tuple[int, str]:
+    if vocab_size is None:
+        return INT32_MAX, "the step's int32"
+    return vocab_size - 1, f"the vocabulary of {vocab_size} tokens"
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int | None, *, field: str = "prompt",
+                    context: str = "") -> None:
+    """Refuse a token id the model does not know: each must be an integer in
+    ``0..vocab_size - 1`` (in the int32 range when the vocabulary is not known).
+
+    Raises:
+        ParamError: naming ``field[i]``, ``i`` the index of the first bad id.
+
+    Example:
+        >>> check_token_ids([5, 49152], 49152)
+        Traceback (most recent call last):
+        ...
+        jaxdist.coordinator.request.ParamError: prompt[1]: expected a token id in 0..49151 (the
+        vocabulary of 49152 tokens), found 49152
+    """
+    hi, what = _id_range(vocab_size)
+    for i, t in enumerate(ids):
+        if not _is_int(t) or not 0 <= t <= hi:
+            raise ParamError(f"{field}[{i}]", f"expected a token id in 0..{hi} ({what}), "
+                             f"found {_found(t)}", context=context)
+
+
+def _check_stop_ids(ids: frozenset[int], vocab_size: int | None, context: str = "") -> None:
+    hi, what = _id_range(vocab_size)
+    bad = next((t for t in ids if not _is_int(t) or not 0 <= t <= hi), None)
+    if bad is not None:
+        raise ParamError("stop_ids", f"expected token ids in 0..{hi} ({what}), found "
+                                     f"{_found(bad)}", context=context)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick and when to stop.
 
+    Every field is checked when the parameters are made: a value outside its range raises
+    :class:`ParamError` naming the field. The limits that depend on the model (``top_k`` and
+    ``stop_ids`` within the vocabulary) are checked by :meth:`check_model`, which the engine
+    calls when a request is submitted. ``jaxdist serve`` builds its requests' parameters here
+    too, so the HTTP API and the Python API refuse the same values with the same words.
+
     Attributes:
-        max_tokens: most new tokens.
-        temperature: 0 is greedy.
-        top_k: keep the k most likely tokens (0: off).
-        top_p: nucleus sampling mass (1.0: off).
-        seed: makes sampling reproducible.
+        max_tokens: most new tokens (>= 1).
+        temperature: 0 is greedy; finite, >= 0.
+        top_k: keep the k most likely tokens (0: off); at most the vocabulary size.
+        top_p: nucleus sampling mass in (0, 1] (1.0: off).
+        seed: makes sampling reproducible; 0..2**32-1 (the step's uint32).
         stop_ids: token ids that end generation (added to the model's EOS ids).
         stop_strings: texts that end generation (needs an engine with a tokenizer); the text is
-            cut before the stop string.
+            cut before the stop string. At most :data:`MAX_STOP_STRINGS`, each of 1 to
+            :data:`MAX_STOP_CHARS` characters.
         ignore_eos: do not stop at the model's EOS ids.
 
     Example:
         >>> from jaxdist import SamplingParams
         >>> SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, stop_strings=("\\n",)).top_p
         0.9
-        >>> SamplingParams(temperature=-1)
+        >>> SamplingParams(top_k=10**20)
         Traceback (most recent call last):
         ...
-        jaxdist.core.errors.SpecError: ...
+        jaxdist.coordinator.request.ParamError: top_k: expected an integer in 0..2147483647 ...
     """
 
     max_tokens: int = 64
@@ -64,17 +149,61 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise SpecError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise SpecError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SpecError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SpecError(f"top_k must be >= 0, got {self.top_k}")
-        if any(not s for s in self.stop_strings):
-            raise SpecError(f"stop_strings must not contain an empty string, got "
-                            f"{self.stop_strings!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ParamError("max_tokens", f"expected an integer >= 1, found "
+                                           f"{_found(self.max_tokens)}")
+        t = self.temperature
+        if not _is_real(t) or not 0 <= t <= FLOAT32_MAX:  # also refuses nan and inf
+            raise ParamError("temperature", f"expected a finite number >= 0, found {_found(t)}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"expected a number in (0, 1], found {_found(self.top_p)}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise ParamError("top_k", f"expected an integer in 0..{INT32_MAX} (0: off; the "
+                                      f"model's vocabulary bounds it further), found "
+                                      f"{_found(self.top_k)}")
+        if not _is_int(self.seed) or not 0 <= self.seed <= UINT32_MAX:
+            raise ParamError("seed", f"expected an integer in 0..{UINT32_MAX}, found "
+                                     f"{_found(self.seed)}")
+        # A list or set from an untyped caller becomes the field's own type, so the
+        # parameters cannot change under the engine.
+        try:
+            if not isinstance(self.stop_ids, (frozenset, set, list, tuple)):
+                raise TypeError
+            object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
+        except TypeError:  # not a collection, or of unhashable items
+            raise ParamError("stop_ids", f"expected a set of token ids, found "
+                                         f"{_found(self.stop_ids)}") from None
+        _check_stop_ids(self.stop_ids, None)
+        if not isinstance(self.stop_strings, (tuple, list)):
+            raise ParamError("stop_strings", f"expected a tuple of strings, found "
+                                             f"{type(self.stop_strings).__name__}")
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ParamError("stop_strings", f"expected at most {MAX_STOP_STRINGS} stop "
+                                             f"strings, found {len(stops)}")
+        for i, s in enumerate(stops):
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+                found = (f"{len(s)} characters" if isinstance(s, str)
+                         else type(s).__name__)
+                raise ParamError(f"stop_strings[{i}]", f"expected a string of 1 to "
+                                                       f"{MAX_STOP_CHARS} characters, found "
+                                                       f"{found}")
+
+    def check_model(self, vocab_size: int | None, *, context: str = "") -> None:
+        """Refuse what the model cannot take: ``top_k`` and ``stop_ids`` beyond its vocabulary
+        (``None``: not known, nothing to check).
+
+        Raises:
+            ParamError: naming the field, the vocabulary and the value.
+        """
+        if vocab_size is None:
+            return
+        if self.top_k > vocab_size:
+            raise ParamError("top_k", f"expected an integer in 0..{vocab_size} (0: off; the "
+                                      f"vocabulary has {vocab_size} tokens), found {self.top_k}",
+                             context=context)
+        _check_stop_ids(self.stop_ids, vocab_size, context)
 
 
 @dataclasses.dataclass

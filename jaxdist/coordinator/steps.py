@@ -25,11 +25,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxdist.coordinator.request import SamplingParams
+from jaxdist.coordinator.request import SamplingParams, check_token_ids
 from jaxdist.core.errors import SpecError
 from jaxdist.export.buckets import decode_rows
 
-__all__ = ["StepPipeline", "check_prompt", "default_depth", "step_inputs"]
+__all__ = ["StepPipeline", "check_prompt", "check_request", "default_depth", "step_inputs"]
 
 
 class StepPipeline(Protocol):
@@ -57,6 +57,25 @@ def check_prompt(prompt: Sequence[int], max_seq: int, where: str) -> None:
         raise SpecError(f"{where} has {len(prompt)} tokens; the KV cache holds {max_seq} "
                         f"positions (max_seq) and the first new token needs one more: shorten "
                         f"the prompt or export with a larger max_seq")
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, *, max_seq: int,
+                  vocab_size: int | None, where: str, context: str = "") -> None:
+    """Refuse, before it is queued, a request the model cannot run: the prompt's length
+    (:func:`check_prompt`), its ids within the vocabulary, and ``params`` within what the
+    model takes (:meth:`SamplingParams.check_model`). The parameters' own ranges were checked
+    when they were made. The engine calls this for every request, whatever its front end.
+
+    Args:
+        where: names the prompt in a length error; ``context`` prefixes the others.
+
+    Raises:
+        SpecError: the prompt is empty or does not fit the cache.
+        ParamError: a token id or a parameter out of range, naming the field.
+    """
+    check_prompt(prompt, max_seq, where)
+    check_token_ids(prompt, vocab_size, context=context)
+    params.check_model(vocab_size, context=context)
 
 
 def default_depth(pipeline: object) -> int:

@@ -6,9 +6,20 @@ errors follow OpenAI's (:mod:`jaxdist.serving.protocol`). With API keys, every `
 needs ``Authorization: Bearer KEY``, compared in constant time; ``/health`` and ``/metrics``
 stay open (a load balancer and Prometheus call them without a key).
 
-Status codes: 400 bad parameters (``param`` names the field), 401 a missing or wrong key, 404
-an unknown model, 503 with ``Retry-After`` while loading, when the engine's queue is full, or
-when the pipeline is broken (the message names the worker).
+Status codes: 400 bad parameters (``param`` names the field) or a body that is not strict JSON
+(:func:`~jaxdist.serving.protocol.parse_json`), 401 a missing or wrong key, 404 an unknown model
+or route, 405 a route's wrong method, 500 a request that failed in the engine (the others go
+on), 503 with ``Retry-After`` while loading, when the engine's queue is full, or when the
+pipeline is broken (the message names the worker). Every error has OpenAI's body,
+``{"error": {"message", "type", "param", "code"}}``.
+
+``/health`` is 200 only while requests can be served: 503 while loading, after a failed load,
+when the pipeline is broken, and once the engine has stopped, each with the reason.
+
+A chat's messages are rendered with the model's chat template by a
+:class:`~jaxdist.coordinator.chat_template.ChatEncoder`: special-token text in a message is
+tokenized as text, so a client cannot close its turn or open a system turn
+(``Served.special_tokens_in_content`` allows it).
 
 A client that disconnects aborts its request: its KV slot is free by the next step.
 """
@@ -29,9 +40,17 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
-from jaxdist.coordinator.engine import EngineClosed, QueueFull
-from jaxdist.coordinator.request import Delta, RequestStream, SamplingParams
+from jaxdist.coordinator.chat_template import ChatEncoder
+from jaxdist.coordinator.engine import EngineClosed, QueueFull, RequestFailed
+from jaxdist.coordinator.request import (
+    Delta,
+    ParamError,
+    RequestStream,
+    SamplingParams,
+    check_token_ids,
+)
 from jaxdist.core.errors import JaxdistError, LimitError, SpecError
 from jaxdist.serving import protocol as api
 from jaxdist.serving.metrics import ServerMetrics
@@ -56,6 +75,14 @@ class Served:
         embed: ``embed(rows of token ids) -> (n, dim)`` vectors (an encoder); blocking.
         broken: ``broken() -> error | None``: why the pipeline cannot serve (a dead worker and
             no spare), for ``/health``.
+        special_tokens_in_content: let special-token text in chat messages become control
+            tokens (``--allow-special-tokens-in-content``); by default it is plain text.
+        chat: renders and tokenizes chats; made from ``tokenizer`` when it has a chat
+            template.
+
+    Raises:
+        SpecError: the tokenizer cannot keep special tokens out of chat messages (see
+            :class:`~jaxdist.coordinator.chat_template.ChatEncoder`).
     """
 
     name: str
@@ -65,6 +92,19 @@ class Served:
     max_seq: int = 0
     embed: Callable[[list[list[int]]], np.ndarray] | None = None
     broken: Callable[[], BaseException | None] = lambda: None
+    special_tokens_in_content: bool = False
+    chat: ChatEncoder | None = None
+
+    def __post_init__(self) -> None:
+        if self.chat is None and getattr(self.tokenizer, "chat_template", None) is not None:
+            self.chat = ChatEncoder(self.tokenizer,
+                                    special_tokens_in_content=self.special_tokens_in_content)
+
+    def stopped(self) -> str | None:
+        """Why the engine takes no more requests (closed, or its step loop failed), or
+        ``None`` (also for a model without an engine)."""
+        stopped = getattr(self.engine, "stopped", None)
+        return stopped if isinstance(stopped, str) else None
 
 
 class ServerState:
@@ -127,19 +167,20 @@ def _engine_error(exc: JaxdistError) -> api.APIError:
     if isinstance(exc, QueueFull):
         return api.APIError(f"the server is busy: {exc}", status=503, type="server_error",
                             code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, ParamError):
+        return api.param_error(exc)
     if isinstance(exc, (SpecError, LimitError)):
         return api.APIError(str(exc))
+    if isinstance(exc, RequestFailed):  # this request's own failure; the others go on
+        return api.APIError(f"the request failed: {exc}", status=500, type="server_error",
+                            code="request_failed")
     kind = "engine_closed" if isinstance(exc, EngineClosed) else "pipeline_unavailable"
     return api.APIError(f"the pipeline cannot serve: {exc}", status=503, type="server_error",
                         code=kind, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _json_body(request: Request) -> object:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise api.APIError(f"the request body is not valid JSON: {exc}") from None
+    return api.parse_json(await request.body())
 
 
 def _check_model(state: ServerState, model: str, kind: str, route: str) -> Served:
@@ -156,18 +197,14 @@ def _check_model(state: ServerState, model: str, kind: str, route: str) -> Serve
 
 
 def _prompt_ids(served: Served, prompt: str | tuple[int, ...], param: str) -> list[int]:
+    """The token ids of a prompt; ids a client sent are checked against the vocabulary by the
+    engine (a completion) or by the embeddings route."""
     tok = served.tokenizer
     if isinstance(prompt, str):
         if tok is None:
             raise api.APIError(f"{param}: model `{served.name}` has no tokenizer here; send "
                                f"token ids", param=param)
         return list(tok.encode(prompt))
-    vocab = getattr(tok, "vocab_size", None)
-    if vocab is not None:
-        bad = next((t for t in prompt if t >= vocab), None)
-        if bad is not None:
-            raise api.APIError(f"{param}: token id {bad} is outside the vocabulary of "
-                               f"{vocab} ids", param=param)
     return list(prompt)
 
 
@@ -187,8 +224,8 @@ def _params(req: api.CompletionRequest | api.ChatRequest, served: Served, prompt
     try:
         return req.params(max_seq=served.max_seq, prompt_len=prompt_len,
                           default_max_tokens=default_max_tokens)
-    except SpecError as exc:
-        raise api.APIError(str(exc)) from None
+    except ParamError as exc:
+        raise api.param_error(exc) from None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -262,6 +299,29 @@ def create_app(state: ServerState) -> FastAPI:
     async def api_error(request: Request, exc: api.APIError) -> JSONResponse:
         return _error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """An unknown route (404) or a route's wrong method (405), in OpenAI's body."""
+        where = f"{request.method} {request.url.path}"[:200]
+        if exc.status_code == 404:
+            message = f"Invalid URL ({where}): no such route"
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            message = f"Method not allowed ({where}); this route takes {allow or 'another'}"
+        else:
+            message = f"{where}: {exc.detail}"
+        return _error_response(api.APIError(message, status=exc.status_code,
+                                            headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: OpenAI's 500 body rather than a bare text. Starlette raises the exception
+        again once this is sent, so the server logs its traceback; the client sees only its
+        type."""
+        return _error_response(api.APIError(
+            f"the server failed on this request: {type(exc).__name__}", status=500,
+            type="server_error", code="internal_error"))
+
     @app.get("/health")
     async def health() -> Response:
         try:
@@ -273,6 +333,10 @@ def create_app(state: ServerState) -> FastAPI:
         if broken is not None:
             return JSONResponse({"status": "broken", "message": str(broken)}, status_code=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
+        stopped = served.stopped()
+        if stopped is not None:  # for good: a retry here does not help, another replica does
+            return JSONResponse({"status": "engine_stopped", "message": stopped},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -299,17 +363,13 @@ def create_app(state: ServerState) -> FastAPI:
         guard(request)
         req = api.parse_chat(await _json_body(request))
         served = _check_model(state, req.model, "causal-lm", "/v1/chat/completions")
-        tok = served.tokenizer
-        if tok is None:
-            raise api.APIError(f"model `{served.name}` has no tokenizer here, so no chat "
-                               f"template; use /v1/completions with token ids",
-                               param="messages")
+        if served.chat is None:
+            raise api.APIError(f"model `{served.name}` has no tokenizer with a chat template "
+                               f"here; use /v1/completions with token ids", param="messages")
         try:
-            text = tok.apply_chat_template([dict(m) for m in req.messages],
-                                           add_generation_prompt=True)
+            ids = served.chat.encode(req.messages, add_generation_prompt=True)
         except SpecError as exc:
             raise api.APIError(f"messages: {exc}", param="messages") from None
-        ids = list(tok.encode(text, add_special_tokens=False))
         params = _params(req, served, len(ids), default_max_tokens=None)
         return await _generate(request, served, req, ids, params, chat=True)
 
@@ -372,6 +432,12 @@ def create_app(state: ServerState) -> FastAPI:
         served = _check_model(state, req.model, "encoder", "/v1/embeddings")
         assert served.embed is not None
         rows = [_prompt_ids(served, item, f"input[{i}]") for i, item in enumerate(req.inputs)]
+        vocab = getattr(served.tokenizer, "vocab_size", None)
+        for i, row in enumerate(rows):
+            try:
+                check_token_ids(row, vocab, field=f"input[{i}]")
+            except ParamError as exc:
+                raise api.param_error(exc) from None
         try:
             vectors = await asyncio.to_thread(served.embed, rows)
         except JaxdistError as exc:

@@ -5,6 +5,12 @@ field (a validation library would answer 422 in a shape of its own). Fields jaxd
 serve yet (``n`` > 1, ``logprobs``, penalties, tools, ...) are refused by name rather than
 ignored; fields it does not know are ignored, as OpenAI's own server does.
 
+The body itself is strict JSON (:func:`parse_json`): nesting, integer digits and non-finite
+numbers are bounded, and every string must be valid Unicode, so no body makes the server fail
+later, when it prints or encodes a value. The sampling fields' ranges are the engine's own
+(:class:`~jaxdist.coordinator.request.SamplingParams`): one check for the HTTP and the Python
+API, reported here with the HTTP field's name (:func:`param_error`).
+
 Example:
     >>> req = parse_completion({"model": "m", "prompt": "Hi", "max_tokens": 8, "stop": "."})
     >>> req.max_tokens, req.params(max_seq=512, prompt_len=2).stop_strings
@@ -19,6 +25,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
+import math
+import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -26,15 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.coordinator.request import SamplingParams
+from jaxdist.coordinator.request import ParamError, SamplingParams
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "EmbeddingRequest", "chat_chunk",
            "chat_response", "completion_chunk", "completion_response", "embedding_response",
-           "error_body", "finish_reason", "models_response", "parse_chat", "parse_completion",
-           "parse_embedding", "usage"]
+           "error_body", "finish_reason", "models_response", "param_error", "parse_chat",
+           "parse_completion", "parse_embedding", "parse_json", "usage"]
 
-MAX_STOP = 4  # OpenAI's limit on stop sequences
-SEED_MAX = (1 << 32) - 1  # the engine's seed is a uint32 per row
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; a request needs 4
+MAX_INT_DIGITS = 64  # digits of a JSON integer (Python refuses to read more than 4300)
 
 
 class APIError(Exception):
@@ -63,6 +72,123 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param)
+
+
+_HTTP_NAMES = {"stop_strings": "stop"}  # the engine's field -> the API's
+
+
+def param_error(exc: ParamError, *, renames: Mapping[str, str] | None = None) -> APIError:
+    """The 400 for an engine's :class:`ParamError`: the message names the request's field
+    (``stop`` for the engine's ``stop_strings``, ``renames`` for more), and ``param`` is that
+    field without an index (``prompt`` for ``prompt[3]``)."""
+    base, bracket, rest = exc.field.partition("[")
+    name = {**_HTTP_NAMES, **(renames or {})}.get(base, base)
+    return APIError(f"{name}{bracket}{rest}: {exc.detail}", param=name)
+
+
+# -- the body ------------------------------------------------------------------------------------
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _json_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise APIError(f"the request body has an integer of {digits} digits; expected at most "
+                       f"{MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise APIError(f"the request body has the number {text[:40]!r}, out of the range of a "
+                       f"double; expected a finite number")
+    return value
+
+
+def _json_constant(name: str) -> float:
+    raise APIError(f"the request body has {name}, which is not JSON; expected a finite number")
+
+
+def _where(path: str) -> str:
+    return path or "the request body"
+
+
+def _check_string(text: str, path: str) -> None:
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise APIError(f"{_where(path)}: expected a valid Unicode string, found a lone "
+                       f"surrogate \\u{ord(bad.group()):04x} at character {bad.start()}",
+                       param=path.split("[")[0].split(".")[0] or None)
+
+
+def _check_json(value: object) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and strings (keys included) that are
+    not valid Unicode: a lone surrogate (``"\\ud800"``) decodes but cannot be encoded again.
+    A path is made only for a container, so a list of a million ids costs no strings."""
+    if isinstance(value, str):
+        _check_string(value, "")
+    stack: list[tuple[object, str, int]] = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise APIError(f"the request body: expected arrays and objects nested at most "
+                           f"{MAX_JSON_DEPTH} deep, found more at {path[:60]}")
+        pairs = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, v in pairs:
+            if isinstance(key, str) and _SURROGATE.search(key) is not None:
+                raise APIError(f"{_where(path)}: expected keys that are valid Unicode, found "
+                               f"one with a lone surrogate")
+            if isinstance(v, str):
+                if _SURROGATE.search(v) is not None:
+                    _check_string(v, _child(path, key))
+            elif isinstance(v, (dict, list)):
+                stack.append((v, _child(path, key), depth + 1))
+
+
+def _child(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def parse_json(raw: bytes) -> object:
+    """Read a request body as strict JSON.
+
+    Beyond :func:`json.loads`: the body must be UTF-8; arrays and objects nest at most
+    :data:`MAX_JSON_DEPTH` deep; an integer has at most :data:`MAX_INT_DIGITS` digits; a
+    number is finite (no ``NaN``, ``Infinity`` or ``1e999``); and every string, keys included,
+    is valid Unicode (no lone surrogate).
+
+    Raises:
+        APIError: 400 saying which rule the body broke, and where.
+
+    Example:
+        >>> parse_json(b'{"model": "m", "seed": 1}')
+        {'model': 'm', 'seed': 1}
+        >>> parse_json(b"[" * 100_000 + b"]" * 100_000)
+        Traceback (most recent call last):
+        ...
+        jaxdist.serving.protocol.APIError: the request body: expected arrays and objects nested
+        at most 64 deep, found more
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"the request body is not UTF-8: {exc}") from None
+    try:
+        value = json.loads(text, parse_int=_json_int, parse_float=_json_float,
+                           parse_constant=_json_constant)
+    except RecursionError:  # json's own recursion: far deeper than we take
+        raise APIError(f"the request body: expected arrays and objects nested at most "
+                       f"{MAX_JSON_DEPTH} deep, found more") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}") from None
+    _check_json(value)
+    return value
 
 
 def _type_name(value: object) -> str:
@@ -115,7 +241,8 @@ class _Fields:
             raise _bad(name, f"expected an integer {bounds}, found {value}")
         return value
 
-    def float_(self, name: str, *, lo: float, hi: float) -> float | None:
+    def float_(self, name: str, *, lo: float = -math.inf, hi: float = math.inf
+               ) -> float | None:
         value = self.body.get(name)
         if value is None:
             return None
@@ -123,7 +250,10 @@ class _Fields:
             raise _bad(name, f"expected a number, found {_type_name(value)} {value!r}")
         if not lo <= value <= hi:
             raise _bad(name, f"expected a number in [{lo}, {hi}], found {value}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past a double: the range check tells
+            return math.inf
 
     def refuse(self, name: str, allowed: Sequence[object], what: str) -> None:
         """400 naming ``name`` unless it is absent or one of ``allowed`` (not implemented)."""
@@ -150,9 +280,14 @@ class _Sampling:
     def params(self, *, max_seq: int, prompt_len: int, default_max_tokens: int | None = None
                ) -> SamplingParams:
         """The engine's parameters; ``max_tokens`` defaults to ``default_max_tokens`` or what
-        the KV cache has left after the prompt."""
+        the KV cache has left after the prompt.
+
+        Raises:
+            ParamError: a field out of the engine's range, naming it.
+        """
         room = max(1, max_seq - prompt_len)
-        wanted = self.max_tokens or default_max_tokens or room
+        wanted = (self.max_tokens if self.max_tokens is not None
+                  else default_max_tokens or room)
         return SamplingParams(max_tokens=wanted, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               stop_strings=self.stop, ignore_eos=self.ignore_eos)
@@ -166,8 +301,8 @@ def _sampling(f: _Fields) -> _Sampling:
     for name in ("presence_penalty", "frequency_penalty"):
         f.refuse(name, (0, 0.0), "penalties are not supported yet; send 0 or leave it out")
     f.refuse("logit_bias", ({},), "logit_bias is not supported yet")
-    max_completion = f.int_("max_completion_tokens", lo=1)
-    max_tokens = f.int_("max_tokens", lo=1)
+    max_completion = f.int_("max_completion_tokens")
+    max_tokens = f.int_("max_tokens")
     stop = f.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -176,11 +311,8 @@ def _sampling(f: _Fields) -> _Sampling:
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stops = tuple(stop)
     else:
-        raise _bad("stop", f"expected a string or a list of strings, found {stop!r}")
-    if len(stops) > MAX_STOP:
-        raise _bad("stop", f"at most {MAX_STOP} stop sequences, found {len(stops)}")
-    if any(not s for s in stops):
-        raise _bad("stop", "stop sequences must not be empty")
+        raise _bad("stop", f"expected a string or a list of strings, found "
+                           f"{_type_name(stop)}")
     options = f.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", f"expected an object, found {_type_name(options)}")
@@ -194,16 +326,24 @@ def _sampling(f: _Fields) -> _Sampling:
             raise _bad("stream_options.include_usage",
                        f"expected a boolean, found {_type_name(value)}")
         include_usage = bool(value)
-    temperature = f.float_("temperature", lo=0.0, hi=2.0)
-    top_p = f.float_("top_p", lo=0.0, hi=1.0)
-    if top_p is not None and top_p == 0:
-        raise _bad("top_p", "expected a number in (0, 1], found 0")
-    return _Sampling(model=model, max_tokens=max_completion or max_tokens,
-                     temperature=1.0 if temperature is None else temperature,
-                     top_p=1.0 if top_p is None else top_p,
-                     top_k=max(0, f.int_("top_k", lo=-1) or 0),  # vLLM's -1 is off, as 0
-                     seed=f.int_("seed", lo=0, hi=SEED_MAX) or 0, stop=stops, stream=stream,
-                     include_usage=include_usage, ignore_eos=f.bool_("ignore_eos"))
+    temperature = f.float_("temperature", lo=0.0, hi=2.0)  # OpenAI's range
+    top_p = f.float_("top_p")
+    top_k = f.int_("top_k")
+    seed = f.int_("seed")
+    wanted = max_tokens if max_completion is None else max_completion
+    out = _Sampling(model=model, max_tokens=wanted,
+                    temperature=1.0 if temperature is None else temperature,
+                    top_p=1.0 if top_p is None else top_p,
+                    top_k=0 if top_k in (None, -1) else top_k,  # vLLM's -1 is off, as 0
+                    seed=seed or 0, stop=stops, stream=stream,
+                    include_usage=include_usage, ignore_eos=f.bool_("ignore_eos"))
+    # The ranges are the engine's: checked by making its parameters, once, here.
+    renames = {"max_tokens": "max_completion_tokens"} if max_completion is not None else {}
+    try:
+        out.params(max_seq=2, prompt_len=1)
+    except ParamError as exc:
+        raise param_error(exc, renames=renames) from None
+    return out
 
 
 # -- the routes' requests ------------------------------------------------------------------------
