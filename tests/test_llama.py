@@ -351,16 +351,39 @@ def test_error_bad_dtype(root: pathlib.Path, hf_models: dict[str, Any]) -> None:
         llama_model("llama", roots=[root], dtype="int8")
 
 
-def test_error_sliding_window(tmp_path: pathlib.Path, root: pathlib.Path,
-                              hf_models: dict[str, Any]) -> None:
-    config = json.loads((root / "llama" / "config.json").read_text())
-    config.update(architectures=["MistralForCausalLM"], sliding_window=32)
-    cfg_dir = root / "mistral"
-    cfg_dir.mkdir(exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps(config))
-    for f in (root / "llama").glob("*.safetensors"):
-        (cfg_dir / f.name).write_bytes(f.read_bytes())
-    with pytest.raises(SpecError, match=r"sliding-window attention \(32\) is not implemented; "
-                                        r"pass max_seq <= 32"):
-        llama_model("mistral", roots=[root], max_seq=64)
-    assert llama_model("mistral", roots=[root], max_seq=32).meta["config"].sliding_window == 32
+def test_mistral_sliding_window_parity(root: pathlib.Path) -> None:
+    """Mistral v0.1's sliding window (8 positions, max_seq 64) with a prompt and a generation
+    longer than it (11 + 16 tokens): transformers' logits and greedy tokens, on 2 stages."""
+    torch.manual_seed(1)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=8, **common))
+    hf.eval().save_pretrained(root / "mistral", safe_serialization=True)
+    model = llama_model("mistral", roots=[root], return_logits=True, max_seq=64)
+    assert model.meta["config"].sliding_window == 8
+    with _pipe(model, root, 2) as pipe:
+        _check_parity(pipe, hf, PROMPTS["long"], "Mistral, window 8")
+    # The window shows in the logits: without it transformers computes something else, far
+    # beyond the tolerance, so the parity above would catch a window left out.
+    full = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None,
+                                                                      **common)).eval()
+    full.load_state_dict(hf.state_dict())
+    _, windowed = _hf_reference(hf, PROMPTS["long"], N_NEW)
+    _, unwindowed = _hf_reference(full, PROMPTS["long"], N_NEW)
+    assert float(np.abs(windowed - unwindowed).max()) > 100 * 1e-4 * float(
+        np.abs(windowed).max())
+
+
+def test_error_qwen2_sliding_window(root: pathlib.Path) -> None:
+    """Qwen2's window covers only the layers from max_window_layers on: refused past it."""
+    config = dict(architectures=["Qwen2ForCausalLM"], vocab_size=256, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, use_sliding_window=True, sliding_window=32,
+                  max_window_layers=2)
+    (root / "qwen2-swa").mkdir(exist_ok=True)
+    (root / "qwen2-swa" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError, match=r"Qwen2's sliding-window attention \(use_sliding_window, "
+                                        r"window 32 on the layers from max_window_layers on\) "
+                                        r"is not supported; pass max_seq <= 32"):
+        llama_model("qwen2-swa", roots=[root], max_seq=64)

@@ -26,6 +26,7 @@ from jaxdist.core.errors import ArtifactError  # noqa: E402
 from jaxdist.export.model import Model  # noqa: E402
 from jaxdist.export.stages import build_stage_specs  # noqa: E402
 from jaxdist.exporters.bert import bert_model  # noqa: E402
+from jaxdist.exporters.gemma3 import gemma3_model  # noqa: E402
 from jaxdist.exporters.gpt2 import gpt2_model  # noqa: E402
 from jaxdist.exporters.llama import llama_model  # noqa: E402
 
@@ -63,9 +64,16 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     save_tiny_llama(root / "llama", layers=2)
     torch.manual_seed(0)
     small = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)
+                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
     transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, **small)
                                   ).save_pretrained(root / "qwen2", safe_serialization=True)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=24, **small)
+                                  ).save_pretrained(root / "qwen3", safe_serialization=True)
+    transformers.Phi3ForCausalLM(transformers.Phi3Config(**small)
+                                 ).save_pretrained(root / "phi3", safe_serialization=True)
+    transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        head_dim=16, sliding_window=8, **small)
+    ).save_pretrained(root / "gemma3", safe_serialization=True)
     transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
     ).save_pretrained(root / "gpt2", safe_serialization=True)
@@ -76,10 +84,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return root
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_llama_family_float32_products_are_pinned(root: pathlib.Path, arch: str) -> None:
     model = llama_model(root / arch, roots=[root], max_seq=64, prefill_buckets=(16,))
     _assert_pinned(model, f"{arch} float32")
+
+
+def test_gemma3_float32_products_are_pinned(root: pathlib.Path) -> None:
+    _assert_pinned(gemma3_model(root / "gemma3", roots=[root], max_seq=64, prefill_buckets=(16,)),
+                   "gemma3 float32")
 
 
 def test_gpt2_float32_products_are_pinned(root: pathlib.Path) -> None:

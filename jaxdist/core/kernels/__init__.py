@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from jaxdist.core.errors import ArtifactError
 from jaxdist.core.kernels.build import KernelBuildError, build, find_ggml
 
-__all__ = ["ABI_VERSION", "ATTENTION_TARGET", "DEQUANTIZE_TARGET", "DEQUANTIZE_V1_TARGET",
-           "KERNEL_TYPES", "MATMUL_V1_TARGET", "OWN_TARGETS", "TARGET", "KernelBuildError", "KernelInfo", "load",
-           "loaded", "require", "set_isa"]
+__all__ = ["ABI_VERSION", "ATTENTION_TARGET", "ATTENTION_V2_TARGET", "DEQUANTIZE_TARGET",
+           "DEQUANTIZE_V1_TARGET", "KERNEL_TYPES", "MATMUL_V1_TARGET", "OWN_TARGETS", "TARGET",
+           "KernelBuildError", "KernelInfo", "load", "loaded", "require", "set_isa"]
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,16 @@ it is for are computed (they are an operand, for ordering only)."""
 DEQUANTIZE_V1_TARGET = "jaxdist_ggml_dequantize_v1"
 """The same without the ordering operand: still registered for artifacts exported with it."""
 ATTENTION_TARGET = "jaxdist_cache_attention_v1"
-"""Attention of a decode step over the slot KV cache, reading only the positions in use."""
+"""Attention of a decode step over the slot KV cache, reading only the positions in use. Full
+(causal) attention: what every stage without a sliding window calls, as before the window
+existed, so such a stage runs on workers older than v2."""
+ATTENTION_V2_TARGET = "jaxdist_cache_attention_v2"
+"""The same with an attribute ``window`` (sliding-window attention: a query at position p sees
+the keys in (p - window, p]; 0 is full attention). Layers with a window call it."""
 
 OWN_TARGETS: frozenset[str] = frozenset({TARGET, MATMUL_V1_TARGET, DEQUANTIZE_TARGET,
-                                         DEQUANTIZE_V1_TARGET, ATTENTION_TARGET})
+                                         DEQUANTIZE_V1_TARGET, ATTENTION_TARGET,
+                                         ATTENTION_V2_TARGET})
 """Every custom call target of jaxdist's own kernels, in every ABI version it knows."""
 
 KERNEL_TYPES: tuple[str, ...] = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
@@ -130,6 +136,8 @@ def _register(threads: int) -> KernelInfo:
                                 jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV1), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxdistCacheAttentionV1),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_V2_TARGET,
+                                jax.ffi.pycapsule(lib.JaxdistCacheAttentionV2), platform="cpu")
     lib.jaxdist_kernels_isa.restype = ctypes.c_char_p
     lib.jaxdist_kernels_set_isa.restype = ctypes.c_char_p
     _lib = lib

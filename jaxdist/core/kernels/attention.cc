@@ -1,12 +1,13 @@
-// jaxdist CPU kernels, ABI version 1: attention of a few queries over a slot KV cache.
+// jaxdist CPU kernels: attention of a few queries over a slot KV cache.
 //
-// `jaxdist_cache_attention_v1` computes what exporters/layers.py `cache_attention` computes
-// after it has written the step's keys and values into the cache, but it reads only the cache
-// positions a query can see. The portable form gathers each row's whole slot (`max_seq`
-// positions) and masks it, so a decode step reads and copies the full cache of every layer
-// however short the sequence is; this kernel reads `pos + length` positions, as llama.cpp reads
-// only its used cells. ops.py calls it for steps of up to ATTENTION_MAX_QUERIES tokens per
-// row; it computes steps of any length.
+// `jaxdist_cache_attention_v2` (and v1, which is v2 with no window) computes what
+// exporters/layers.py `cache_attention` computes after it has written the step's keys and
+// values into the cache, but it reads only the cache positions a query can see. The portable
+// form gathers each row's whole slot (`max_seq` positions) and masks it, so a decode step reads
+// and copies the full cache of every layer however short the sequence is; this kernel reads
+// `pos + length` positions (at most `window` with one), as llama.cpp reads only its used
+// cells. ops.py calls it for steps of up to ATTENTION_MAX_QUERIES tokens per row; it computes
+// steps of any length.
 //
 // Operands (all row-major):
 //   q        f32 (B, S, H, D)       queries, RoPE applied
@@ -19,7 +20,10 @@
 // j < pos[b] + length[b] and j < T; head h reads key/value head h / (H / KV). A query that sees
 // no key (a row of length 0) gets zeros; the portable form gives garbage there, and callers
 // ignore such rows.
-// Attribute `scale` (f32) multiplies the scores.
+// Attribute `scale` (f32) multiplies the scores. v2 adds attribute `window` (s32): when it is
+// above 0, query p also needs j > p - window (sliding-window attention: the last `window`
+// positions, itself included), and only those keys are read. v1 (no window attribute) stays
+// registered for artifacts exported with it; a new attribute is a new target, never a change.
 //
 // Work. A call is cut into units: (row b, query i, key/value head), each the H / KV query
 // heads that share that key/value head against the keys query i sees. A unit is computed whole
@@ -58,8 +62,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error Fail(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxdist_cache_attention_v1: " + msg);
+// `target` names the custom call in errors (v1 or v2).
+ffi::Error FailAt(const char* target, const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(target) + ": " + msg);
 }
 
 // One unit of work: the `g` query heads q[r * d] that share one key/value head, each against
@@ -631,10 +636,12 @@ constexpr int64_t kMinSplitMacsAsleep = int64_t{1} << 21;   // the helpers aslee
 // joins late holds the caller back by at most that much.
 constexpr int64_t kChunkMacs = int64_t{1} << 17;
 
-ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                          ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> slot,
-                          ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> length,
-                          ffi::ResultBuffer<ffi::F32> y, float scale) {
+ffi::Error CacheAttention(const char* target, ffi::Buffer<ffi::F32> q,
+                          ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                          ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pos,
+                          ffi::Buffer<ffi::S32> length, ffi::ResultBuffer<ffi::F32> y,
+                          float scale, int64_t window) {
+  auto Fail = [target](const std::string& msg) { return FailAt(target, msg); };
   auto qd = q.dimensions();
   auto kd = k_cache.dimensions();
   auto vd = v_cache.dimensions();
@@ -661,6 +668,7 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache
       length.element_count() != static_cast<size_t>(nb)) {
     return Fail("slot, pos and length must hold one entry per row (" + std::to_string(nb) + ")");
   }
+  if (window < 0) return Fail("window " + std::to_string(window) + " is negative (0: full)");
   if (nb == 0 || ns == 0 || nh == 0 || d == 0) return ffi::Error::Success();
   if (slots <= 0 || t <= 0) return Fail("the cache holds no slot or no position");
 
@@ -674,12 +682,16 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache
   float* out = y->typed_data();
   const AttendFn attend = PickAttend();  // one path for the whole call
 
-  // The keys query i of row b sees: j <= pos + i, j < pos + length, j < T. An idle row
-  // (length 0) sees nothing; its queries get zeros.
+  // The keys query i of row b sees, [first(b, i), seen(b, i)): j <= pos + i, j < pos + length,
+  // j < T, and with a window j > pos + i - window. An idle row (length 0) sees nothing; its
+  // queries get zeros.
   auto seen = [&](int64_t b, int64_t i) -> int64_t {
     const int64_t p0 = ps[b], len = ln[b];
     const int64_t end = len > 0 ? std::min<int64_t>(p0 + len, t) : 0;
     return std::max<int64_t>(0, std::min<int64_t>(p0 + i + 1, end));
+  };
+  auto first = [&](int64_t b, int64_t i) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, ps[b] + i + 1 - window) : 0;
   };
   // Units (row b, query i, key/value head), in that order; each is computed whole by one
   // thread, exactly as it would be alone (so B, S and the thread count change no bits).
@@ -692,15 +704,16 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache
       const int64_t s = std::clamp<int64_t>(sl[b], 0, slots - 1);
       const int64_t base = (s * nkv + kvh) * t * d;
       const int64_t row = ((b * ns + i) * nh + kvh * group) * d;
-      attend(qp + row, group, kc + base, vc + base, seen(b, i), d, scale, scratch.data(),
-             out + row);
+      const int64_t hi = seen(b, i), lo = std::min(first(b, i), hi);
+      attend(qp + row, group, kc + base + lo * d, vc + base + lo * d, hi - lo, d, scale,
+             scratch.data(), out + row);
     }
   };
   const int64_t units = nb * ns * nkv;
   const int64_t threads = jaxdist_pool::Threads();
   int64_t keys = 0;
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t i = 0; i < ns; ++i) keys += seen(b, i);
+    for (int64_t i = 0; i < ns; ++i) keys += std::max<int64_t>(0, seen(b, i) - first(b, i));
   }
   const int64_t macs = 2 * keys * nh * d;
   if (threads > 1 && units > 1 &&
@@ -712,6 +725,22 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache
     run(0, units);
   }
   return ffi::Error::Success();
+}
+
+ffi::Error CacheAttentionV1(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> slot,
+                            ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> length,
+                            ffi::ResultBuffer<ffi::F32> y, float scale) {
+  return CacheAttention("jaxdist_cache_attention_v1", q, k_cache, v_cache, slot, pos, length, y,
+                        scale, 0);
+}
+
+ffi::Error CacheAttentionV2(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> slot,
+                            ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> length,
+                            ffi::ResultBuffer<ffi::F32> y, float scale, int32_t window) {
+  return CacheAttention("jaxdist_cache_attention_v2", q, k_cache, v_cache, slot, pos, length, y,
+                        scale, window);
 }
 
 }  // namespace
@@ -732,7 +761,7 @@ bool SetWide(bool wide) {
 }  // namespace jaxdist_attention
 
 #pragma GCC visibility push(default)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistCacheAttentionV1, CacheAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistCacheAttentionV1, CacheAttentionV1,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -742,4 +771,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistCacheAttentionV1, CacheAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistCacheAttentionV2, CacheAttentionV2,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("window"));
 #pragma GCC visibility pop

@@ -14,8 +14,9 @@ measured in bench/NOTES.md ("CPU kernels", "Decode on a ~1B model"), and the cho
 ``lax.cond`` on the static row count that each compiled shape bucket folds away.
 
 :func:`cache_attention` does the same for a decode step's attention over the slot KV cache: the
-CPU branch calls :data:`jaxdist.core.kernels.ATTENTION_TARGET`, which reads only the cache positions
-in use, and the default branch is the exporter's own jnp form. It runs only while a stage is
+CPU branch calls :data:`jaxdist.core.kernels.ATTENTION_TARGET` (``ATTENTION_V2_TARGET`` for a
+sliding window), which reads only the cache positions in use, and the default branch is the
+exporter's own jnp form. It runs only while a stage is
 exported for the kernels (:func:`exporting_for_kernels`, which the coordinator enters for a
 stage with packed weights), so a stage without quantized weights carries no custom call and
 runs on any worker.
@@ -36,7 +37,8 @@ from gguf import GGMLQuantizationType
 from jax import lax
 
 from jaxdist.core.errors import SpecError
-from jaxdist.core.kernels import ATTENTION_TARGET, DEQUANTIZE_TARGET, KERNEL_TYPES, TARGET
+from jaxdist.core.kernels import (ATTENTION_TARGET, ATTENTION_V2_TARGET, DEQUANTIZE_TARGET,
+                                   KERNEL_TYPES, TARGET)
 from jaxdist.core.quant import block_layout, dequantize_rows
 
 __all__ = ["ATTENTION_MAX_QUERIES", "KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS_WIDE", "QTensor",
@@ -212,25 +214,39 @@ def take_rows(table: Array | QTensor, idx: Array, dtype: Any = jnp.float32) -> A
 
 def cache_attention(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: Array,
                     length: Array, *, scale: float,
-                    portable: Callable[[Array, Array, Array, Array, Array, Array], Array]
-                    ) -> Array:
+                    portable: Callable[[Array, Array, Array, Array, Array, Array], Array],
+                    window: int = 0) -> Array:
     """Attention of a step's queries over the slot caches (this step's entries written).
 
     Shapes and semantics are those of ``exporters.layers.cache_attention``; ``portable`` is its
-    jnp form ``(q, k_cache, v_cache, slot, pos, length) -> out``. Outside
+    jnp form ``(q, k_cache, v_cache, slot, pos, length) -> out``, computing the same ``scale``
+    and ``window``. ``window`` > 0 is sliding-window attention: a query at position ``p`` sees
+    the keys in ``(p - window, p]``; 0 is full causal attention. Outside
     :func:`exporting_for_kernels`, or for caches that are not float32, this is ``portable``.
     Otherwise it lowers to ``platform_dependent(cpu=<kernel for steps of at most
     ATTENTION_MAX_QUERIES tokens, else portable>, default=portable)``. The kernel reads only
     the positions each query sees, and gives zeros for a row of length 0 (garbage in the
-    portable form; callers ignore such rows).
+    portable form; callers ignore such rows). Full attention calls
+    :data:`~jaxdist.core.kernels.ATTENTION_TARGET` (v1), as every stage did before windows
+    existed, so such a stage still runs on a worker older than v2; a window calls
+    :data:`~jaxdist.core.kernels.ATTENTION_V2_TARGET`.
+
+    Raises:
+        SpecError: a negative ``window``.
     """
+    if window < 0:
+        raise SpecError(f"cache_attention: window {window} is negative; expected 0 (full "
+                        f"attention) or the number of positions a query sees")
     args = (q, k_cache, v_cache, slot, pos, length)
     if not _for_kernels.get() or any(a.dtype != jnp.float32 for a in args[:3]):
         return portable(*args)
 
     def kernel(*a: Array) -> Array:
-        call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        return call(*a, scale=np.float32(scale))
+        if window == 0:
+            call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+            return call(*a, scale=np.float32(scale))
+        call = jax.ffi.ffi_call(ATTENTION_V2_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        return call(*a, scale=np.float32(scale), window=np.int32(window))
 
     def cpu(*a: Array) -> Array:
         long = jnp.asarray(a[0].shape[1]) > ATTENTION_MAX_QUERIES  # constant per bucket
