@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import shutil
 from typing import Any
 
@@ -118,12 +117,16 @@ def test_error_deploy_missing_manifest(env: dict[str, Any]) -> None:
 
 
 def test_error_deploy_wrong_model_path(env: dict[str, Any]) -> None:
-    proc = cli("deploy", "--manifest", env["exported"]["manifest"], "--workers",
-               env["workers"])  # the workers do not hold it at the exported path "tiny"
-    # both stages load at once and both fail: the error is the first one to come back
-    assert_one_line_error(proc, "LoadStage (stage ")
-    assert re.search(r"LoadStage \(stage [01]\): weight '\S+': file not found", proc.stderr)
-    assert "tiny" in proc.stderr
+    """The workers do not hold the model at the exported path "tiny": deploy asks them first,
+    so the error names the first worker and the path before any stage is shipped or
+    compiled (the progress would show a stage "starting...")."""
+    proc = jaxdist("deploy", "--manifest", env["exported"]["manifest"], "--workers",
+                   env["workers"])  # a subprocess: its progress lines are in its stderr
+    assert_one_line_error(proc, f"worker {env['workers'].split(',')[0]}: ")
+    assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr  # no progress at all
+    assert "DescribeWeights" in proc.stderr and "LoadStage" not in proc.stderr
+    assert "The workers read the model at 'tiny' (relative to their --weights-root)" \
+        in proc.stderr
 
 
 def test_error_generate_manifest_local_without_model(env: dict[str, Any],

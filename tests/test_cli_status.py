@@ -1,10 +1,12 @@
 """``jaxdist status`` against real workers: the table and ``--json`` show uptime and, for every
-loaded stage, its pipeline, model and artifact digest."""
+loaded stage, its pipeline, model and artifact digest; a worker that does not answer is marked
+down among the others."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import socket
 
 from deploy_utils import cli
 from models import mlp
@@ -51,3 +53,27 @@ def test_status_table_and_json(cluster3: Cluster, tmp_path: pathlib.Path) -> Non
         (row,) = [line for line in lines if pipe.pipeline_id in line]
         assert row.split()[1] == str(k) and "status-mlp" in row
         assert pub.manifest.digests[k][:19] in row
+
+
+def test_error_an_unreachable_worker_is_marked_down_among_the_others(cluster3: Cluster) -> None:
+    # A port bound but not listening: connecting to it is refused, and no one else takes it.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{closed.getsockname()[1]}"
+        live = cluster3.addresses[:2]
+        workers = ",".join([live[0], dead, live[1]])
+        table = cli("status", "--workers", workers, "--timeout", "2")
+        as_json = cli("status", "--workers", workers, "--timeout", "2", "--json")
+    heads = [line for line in table.stdout.splitlines() if not line.startswith(" ")]
+    assert [h.split()[0] for h in heads] == [live[0], dead, live[1]]
+    assert "device=cpu:0" in heads[0] and "device=cpu:0" in heads[2]
+    why = heads[1].removeprefix(f"{dead}  down: ")
+    assert why.startswith(f"worker {dead} is not reachable: "), heads[1]
+    replies = json.loads(as_json.stdout)
+    assert [r["address"] for r in replies] == [live[0], dead, live[1]]
+    assert replies[1] == {"address": dead, "down": True, "error": why}
+    assert "down" not in replies[0] and replies[2]["default_device"] == "cpu:0"
+    for proc in (table, as_json):
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr.splitlines() == [
+            f"jaxdist: error: 1 of 3 workers did not answer: {why}"], proc.stderr

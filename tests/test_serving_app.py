@@ -4,62 +4,34 @@ in-process pipeline, for what a live server cannot show on demand: the engine's 
 that fails in the engine (500, the others go on), an engine that stopped (``/health`` 503), and
 the chat template's control tokens kept out of messages (SmolLM2's real tokenizer).
 
-The model is a stand-in LM whose next token is the last one plus one (the example of
-:class:`~jaxdist.coordinator.engine.Engine`), so every expected token follows from the prompt.
-Its pipeline is gated: its steps wait until the test opens the gate, so a request holds its KV
-slot for as long as the test needs (no timing).
+The model is a stand-in LM whose next token is the last one plus one, behind a gate
+(:func:`serving_utils.counter_engine`), so every expected token follows from the prompt and a
+request holds its KV slot for as long as the test needs (no timing). The HTTP server's own
+bounds (body size, timeouts, connections, strict HTTP) are in ``tests/test_serving_server.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import pathlib
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 from llm_utils import GatedPipeline  # noqa: E402
+from serving_utils import WAIT, ByteTokenizer  # noqa: E402
+from serving_utils import counter_engine as _counter  # noqa: E402
 
 from jaxdist.coordinator.chat_template import ChatEncoder  # noqa: E402
 from jaxdist.coordinator.engine import Engine  # noqa: E402
-from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
 from jaxdist.coordinator.request import SamplingParams  # noqa: E402
-from jaxdist.export.model import Model, Unit  # noqa: E402
 from jaxdist.exporters.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from jaxdist.serving import protocol  # noqa: E402
 from jaxdist.serving.app import Served, ServerState, create_app  # noqa: E402
-
-WAIT = 60.0
-
-
-def _next_token(params: Any, state: Any, carry: dict[str, Any]) -> tuple[dict[str, Any], dict]:
-    rows = jax.numpy.arange(carry["tokens"].shape[0])
-    return {"token": carry["tokens"][rows, carry["length"] - 1] + 1}, {}
-
-
-INPUTS = {"tokens": ("b, s", "int32"), "slot": ("b", "int32"), "pos": ("b", "int32"),
-          "length": ("b", "int32"), "temperature": ("b", "float32"), "top_k": ("b", "int32"),
-          "top_p": ("b", "float32"), "seed": ("b", "uint32")}
-
-
-@contextlib.contextmanager
-def _counter(tmp_path: Any, pipeline: Any = None, **engine_kw: Any
-             ) -> Iterator[tuple[GatedPipeline, Engine]]:
-    """The stand-in LM's engine, behind a gate; ``pipeline(pipe)`` wraps the pipeline."""
-    model = Model("counter", [Unit("next", _next_token)], inputs=INPUTS,
-                  control=("slot", "pos", "length", "temperature", "top_k", "top_p", "seed"))
-    with InProcessPipeline(model, weights_roots=[str(tmp_path)]) as pipe:
-        gated = GatedPipeline(pipe if pipeline is None else pipeline(pipe), WAIT)
-        with Engine(gated, input_dtypes={k: v[1] for k, v in INPUTS.items()}, max_seq=64,
-                    prefill_buckets=[4, 8], **{"max_slots": 1, "max_queue": 0, **engine_kw}
-                    ) as engine:
-            yield gated, engine
 
 
 def _serving(engine: Any, tokenizer: Any = None, **kw: Any) -> TestClient:
@@ -343,3 +315,32 @@ def test_chat_content_cannot_forge_control_tokens(tmp_path: Any, smollm_tok: Tok
     assert (protected.count(im_start), plain.count(im_start)) == (3, 4)  # default system, user,
     # the generation prompt; and, allowed, the forged system turn
     assert r.json()["usage"]["prompt_tokens"] == len(plain if allow else protected)
+
+
+@pytest.mark.parametrize("route, body, param, size", [
+    ("/v1/completions", {"prompt": "a" * (64 * 32 + 1)}, "prompt", 2049),
+    ("/v1/completions", {"prompt": "\u00e9" * (64 * 16 + 1)}, "prompt", 2050),  # 2 bytes each
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "a" * 64 * 16},
+                                           {"role": "user", "content": "b" * (64 * 16 + 1)}]},
+     "messages", 2049),
+])
+def test_error_prompt_text_the_context_cannot_hold_is_400_before_tokenizing(
+        app: Any, route: str, body: dict[str, Any], param: str, size: int) -> None:
+    """Issue #33: a 10 MB prompt was tokenized (16.6 s, +1.1 GB) before its length was checked.
+    max_seq is 64 here: 64 x 32 = 2048 bytes of text at most."""
+    client, gated, engine, state = app
+    tokenizer = ByteTokenizer()
+    state.serve(Served("counter", "causal-lm", tokenizer, engine=engine, max_seq=64,
+                       special_tokens_in_content=True))
+    r = client.post(route, json={"model": "counter", "max_tokens": 1, **body})
+    err = _openai_error(r, 400, param)
+    assert err["code"] == "context_length_exceeded"
+    assert err["message"] == (f"{param}: the prompt's text is {size} bytes; this server "
+                              f"tokenizes at most 2048 (32 bytes for each of the 64 positions "
+                              f"of this model's context, max_seq)")
+    assert tokenizer.calls == 0  # refused before the template or the tokenizer ran
+    gated.open.set()  # within the bound, it is tokenized and served
+    r = client.post(route, json={"model": "counter", "max_tokens": 1, "prompt": "a" * 60,
+                                 "messages": [{"role": "user", "content": "a" * 50}]})
+    assert r.status_code == 200, r.text
+    assert tokenizer.calls > 0

@@ -13,8 +13,9 @@ Subcommands:
     status    a table per worker: address, device, memory, versions, stages, sessions, uptime
 
 Every failure a user can fix prints one line (``jaxdist: error: ...``) and exits 1. Ctrl-C
-exits 130 with one line; during a deploy it cancels the loads at once, compiles included, and
-names what it stopped (``jaxdist: interrupted while compiling stage 1 on HOST:PORT``).
+exits 130 with one line (``jaxdist: interrupted``); during a deploy it cancels the loads at
+once, compiles included, and names what it stopped (``jaxdist: interrupted while compiling
+stage 1 on HOST:PORT``, ``jaxdist: interrupted while exporting stage 0``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jaxdist: error: {first}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # Ctrl-C; a deploy says what it stopped (LoadInterrupted)
-        print(f"jaxdist: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"jaxdist: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # gRPC is imported only by the verbs that dial workers
 
 __all__ = ["ProgressBar", "add_auth_args", "add_cluster_args", "add_device_args", "auth_files",
            "check_cluster_args", "client_args_of", "client_auth_of", "cluster_args_of",
-           "device_args_of", "open_cluster", "parse_workers"]
+           "device_args_of", "open_cluster", "parse_size", "parse_workers"]
 
 
 def add_auth_args(p: argparse.ArgumentParser) -> None:
@@ -292,6 +292,20 @@ def check_addresses(flag: str, addresses: Sequence[str]) -> None:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise JaxdistError(f"{flag}: {a!r} is not HOST:PORT (a worker's address needs its "
                                f"port, e.g. {host or a}:50051)")
+
+
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: ``1048576``, ``512M`` (10^6), ``1GiB`` (2^30), as the worker's ``SIZE``
+    flags read it; for argparse."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*([KMGT]i?)?B?\s*", text, re.ASCII | re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 1048576, 512M or "
+                                         f"4GiB, found {text!r}")
+    return int(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
 
 
 def fmt_bytes(n: float) -> str:

@@ -1,10 +1,12 @@
 """``jaxdist deploy`` and ``jaxdist unload``: load an exported model onto running workers, and
 take it off again.
 
-``deploy`` reads a manifest (``jaxdist export`` wrote it), uploads each artifact only to workers
-that lack it, loads the stages and prints the pipeline id. Nothing is traced. The stages stay
-loaded after the command exits: ``jaxdist status`` lists them, ``jaxdist generate --manifest M
---pipeline ID`` runs them, and ``jaxdist unload --workers ... ID`` frees them.
+``deploy`` reads a manifest (``jaxdist export`` wrote it), asks each worker whether it holds the
+weight files of its stages (an error names the worker and the path before anything is shipped
+or compiled), uploads each artifact only to workers that lack it, loads the stages and prints
+the pipeline id. Nothing is traced. The stages stay loaded after the command exits: ``jaxdist
+status`` lists them, ``jaxdist generate --manifest M --pipeline ID`` runs them, and ``jaxdist
+unload --workers ... ID`` frees them.
 """
 
 from __future__ import annotations
@@ -60,11 +62,14 @@ def _addresses(text: str) -> list[str]:
 
 def run_deploy(opts: argparse.Namespace) -> int:
     from jaxdist.coordinator.cluster import Cluster  # noqa: PLC0415 - gRPC only for the verbs that dial
+    from jaxdist.coordinator.remote import check_stages_on  # noqa: PLC0415
 
     manifest, digest, store = open_manifest(opts.manifest, opts.registry)
     t0 = time.perf_counter()
     cluster = Cluster.connect(_addresses(opts.workers), **cluster_args_of(opts))
     try:
+        # Before any stage is shipped or compiled: does each worker hold its stages' weights?
+        check_stages_on(cluster.clients, manifest.stage_specs(opts.model_path))
         with ProgressBar() as bar:
             pipe = cluster.deploy_manifest(manifest, registry=store, model_path=opts.model_path,
                                            device=opts.device, pin=True,

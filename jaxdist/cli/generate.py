@@ -286,6 +286,10 @@ def manifest_plan(opts: argparse.Namespace) -> Plan:
     def deploy(cluster: Cluster, progress: Any) -> Pipeline:
         if opts.pipeline:
             return cluster.attach(opts.pipeline, manifest, worker_path)
+        if opts.workers:
+            from jaxdist.coordinator.remote import check_stages_on  # noqa: PLC0415
+
+            check_stages_on(cluster.clients, manifest.stage_specs(worker_path))
         return cluster.deploy_manifest(manifest, registry=store, model_path=worker_path,
                                        progress=progress)
 
@@ -304,7 +308,6 @@ def run_generate(opts: argparse.Namespace) -> int:
     with open_cluster(opts, plan.roots) as cluster:
         with ProgressBar() as bar:
             pipe = plan.deploy(cluster, bar if not opts.json else None)
-        gen = Generator.for_model(pipe, plan.lm, tokenizer=tok)
         stream = tok.stream_decoder() if tok is not None and not opts.json else None
         if stream is not None and tok is not None and not opts.chat:
             sys.stdout.write(tok.decode(ids))  # echo the prompt, then stream the continuation
@@ -316,8 +319,17 @@ def run_generate(opts: argparse.Namespace) -> int:
                 sys.stdout.flush()
 
         t0 = time.perf_counter()
-        (result,) = gen.run([ids], params, on_token=on_token)
-        wall = time.perf_counter() - t0
+        # The engine is closed before the cluster, Ctrl-C included: it ends its session on
+        # the workers while their channels are still open.
+        with Generator.for_model(pipe, plan.lm, tokenizer=tok) as gen:
+            try:
+                (result,) = gen.run([ids], params, on_token=on_token)
+            except KeyboardInterrupt:
+                if stream is not None:  # the message goes on a line of its own
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                raise
+            wall = time.perf_counter() - t0
         memory = pipe.stage_memory() if opts.json else []
         pipe.close(unload=plan.unload)
     text = tok.decode(result.tokens) if tok is not None else None

@@ -4,8 +4,12 @@ The HTTP server comes up first and answers ``/health`` with 503 while the model 
 (the workers compile for tens of seconds); it prints ``jaxdist: ready`` on stderr and answers
 200 once the model serves. If the deploy fails (a worker that does not answer, say), it prints
 the error and exits 1. SIGINT or SIGTERM stops it: requests in flight end, the stages are
-unloaded and local workers stopped. During the deploy it stops at once, a compile included
-(the loads are cancelled), and exits 130 naming what it stopped.
+unloaded and local workers stopped. During the deploy it stops at once, an export or a compile
+included (:meth:`~jaxdist.coordinator.cluster.Cluster.interrupt`), and exits 130 naming what it
+stopped (``jaxdist: interrupted while exporting stage 0``).
+
+The HTTP server raises its open-file limit and bounds connections, their time and request
+bodies (``--max-body-bytes``; :mod:`jaxdist.serving.server`), on strict HTTP/1.1 (h11).
 
 Needs the ``serve`` extra (``pip install 'jaxdist[serve]'``: FastAPI, uvicorn,
 prometheus-client); workers do not.
@@ -25,7 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.cli.common import ProgressBar, add_cluster_args, check_cluster_args, open_cluster
+from jaxdist.cli.common import (
+    ProgressBar,
+    add_cluster_args,
+    check_cluster_args,
+    open_cluster,
+    parse_size,
+)
 from jaxdist.cli.generate import (
     Plan,
     add_model_args,
@@ -60,6 +70,11 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests that may wait for a KV slot; more get 503 with Retry-After "
                         "(default %(default)s)")
+    s.add_argument("--max-body-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="the largest request body; a larger one gets 413, a declared one "
+                        "before it is read (default: what the longest prompt --max-seq allows "
+                        "needs as JSON, 1 MiB + 96 bytes per position; SIZE is bytes, or 512K, "
+                        "16M, 1GiB ...)")
     s.add_argument("--keep-session", type=float, default=60.0, metavar="SECONDS",
                    help="how long the workers keep the KV memory of an idle server for the "
                         "next request, which then does not wait for it to be allocated "
@@ -178,13 +193,22 @@ def run_serve(opts: argparse.Namespace) -> int:
     _need_serve_extra()
     import uvicorn  # noqa: PLC0415
 
+    from jaxdist.core.openfiles import raise_fd_limit  # noqa: PLC0415
     from jaxdist.serving.app import ServerState, create_app  # noqa: PLC0415
+    from jaxdist.serving.server import (  # noqa: PLC0415
+        HTTPLimits,
+        default_max_body_bytes,
+        server_config,
+        server_connection_limit,
+    )
 
     keys = _api_keys(opts)
     if opts.port < 0 or opts.port > 65535:
         raise SpecError(f"--port: expected 0..65535, found {opts.port}")
     if not opts.keep_session >= 0:  # also refuses nan
         raise SpecError(f"--keep-session: expected seconds >= 0, found {opts.keep_session}")
+    if opts.max_body_bytes is not None and opts.max_body_bytes < 1:
+        raise SpecError(f"--max-body-bytes: expected a size >= 1, found {opts.max_body_bytes}")
     check_cluster_args(opts)  # before the model is read and the HTTP server starts
     plan: Plan | None = None
     loaded: Any = None
@@ -202,8 +226,12 @@ def run_serve(opts: argparse.Namespace) -> int:
                             f"and encoders")
     state = ServerState(opts.served_model_name or name, api_keys=keys)
     loader = _Loader(opts, plan, loaded, roots, state)
-    config = uvicorn.Config(create_app(state), host=opts.host, port=opts.port,
-                            log_level="warning", access_log=False, lifespan="off")
+    raise_fd_limit()  # before the connection cap is sized from it
+    max_seq = plan.lm.max_seq if plan is not None else opts.max_seq
+    limits = HTTPLimits(max_body_bytes=opts.max_body_bytes or default_max_body_bytes(max_seq),
+                        max_connections=server_connection_limit())
+    log.info("HTTP limits: %s", limits)
+    config = server_config(create_app(state), host=opts.host, port=opts.port, limits=limits)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
@@ -227,7 +255,7 @@ def run_serve(opts: argparse.Namespace) -> int:
 
     threading.Thread(target=stop_on_failure, daemon=True).start()
     server.run()  # until SIGINT or SIGTERM, or a failed deploy
-    if not loader.failed.is_set():
+    if state.ready.is_set():  # a deploy cut short says what it stopped instead
         print("jaxdist: stopping: unloading the model", file=sys.stderr, flush=True)
     loader.interrupt()
     if loader.is_alive():

@@ -9,11 +9,17 @@ blocks bound as stored: "packed"; and the GGML types dequantized when bound), se
 the worker's CPU kernels (version, types, threads, or why it has none), and the stages still
 loading, with their phase (load, compile, bind) and how long it has run. Pipelines
 left loaded by ``jaxdist deploy`` show up here; ``jaxdist unload`` removes them.
+
+The workers are asked at once. One that does not answer within ``--timeout`` is shown as
+``ADDRESS  down: WHY`` (in ``--json``: ``{"address", "down": true, "error"}``) among the
+others, and the command then ends with one line, ``jaxdist: error: 1 of 3 workers did not
+answer: WHY`` (each WHY names its worker), and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -67,68 +73,91 @@ def run(opts: argparse.Namespace) -> int:
     addresses = [a.strip() for a in opts.workers.split(",") if a.strip()]
     if not addresses:
         raise JaxdistError("status needs --workers HOST:PORT[,HOST:PORT...]")
+    args = client_args_of(opts)
+    # Asked at once, so each worker that does not answer costs --timeout once, not in turn.
+    with concurrent.futures.ThreadPoolExecutor(min(len(addresses), 16)) as pool:
+        answers = list(pool.map(lambda a: _ask(a, opts.timeout, args), addresses))
+    down = [r for r in answers if isinstance(r, str)]  # why, naming the worker
+    if opts.json:
+        print(json.dumps([{"address": a, "down": True, "error": r} if isinstance(r, str)
+                          else _as_json(r) for a, r in zip(addresses, answers)], indent=2))
+    else:
+        for a, r in zip(addresses, answers):
+            if isinstance(r, str):
+                print(f"{a}  down: {r}")
+            else:
+                _print_worker(r)
+    if down:
+        raise JaxdistError(f"{len(down)} of {len(addresses)} workers did not answer: "
+                           + "; ".join(down))
+    return 0
+
+
+def _ask(address: str, timeout: float, args: dict[str, Any]) -> pb.InfoReply | str:
+    """The worker's ``Info``, or why it did not answer (one line)."""
     from jaxdist.core.transport.client import WorkerClient  # noqa: PLC0415 - gRPC only here
 
-    args = client_args_of(opts)
-    replies = []
-    for a in addresses:
-        c = WorkerClient(a, timeout=opts.timeout, **args)
-        try:
-            c.wait_ready(opts.timeout)
-            replies.append(c.info())
-        finally:
-            c.close()
-    if opts.json:
-        print(json.dumps([_as_json(r) for r in replies], indent=2))
-        return 0
-    for r in replies:
-        print(f"{r.address}  device={r.default_device}  jax={r.versions.jax} "
-              f"jaxlib={r.versions.jaxlib} spec={r.versions.spec}  "
-              f"uptime={fmt_duration(r.uptime_s)}")
-        memory = memory_line(r)
-        if memory is not None:
-            print(f"  memory: {memory}")
-        bound = (f" of {fmt_bytes(r.artifact_cache_max_bytes)}" if r.artifact_cache_max_bytes
-                 else ", no bound")
-        print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)} "
-              f"({fmt_bytes(r.artifact_cache_bytes)}{bound}); data port: {r.data_port or 'off'}"
-              + (f"; uploads in progress: {fmt_bytes(r.upload_bytes)}" if r.upload_bytes else "")
-              + (f"; frames being received: {fmt_bytes(r.inflight_bytes)}"
-                 if r.inflight_bytes else "")
-              + f"; streams open: {r.streams}")
-        k = r.kernels
-        if k.version:
-            threads = k.threads or f"auto ({k.cpus} CPUs)" if k.cpus else k.threads or "auto"
-            isa = f", dot products {k.isa}" if k.isa else ""
-            print(f"  cpu kernels: {k.version}{isa}, threads {threads}; "
-                  f"types {', '.join(k.types)}")
-        else:
-            print(f"  cpu kernels: none ({k.unavailable_reason or 'not advertised'})")
-        if r.stages:
-            stages = sorted(r.stages, key=lambda x: (x.pipeline_id, x.stage_index))
-            w = max(8, *(len(st.pipeline_id) for st in stages))
-            m = max(5, *(len(st.model) for st in stages))
-            print(f"  {'pipeline':<{w}} {'stage':>5}  {'model':<{m}}  {'artifact':<20} "
-                  f"{'weights':>10} {'packed':>10} {'sessions':>8}  {'route':<5}  device")
-            for st in stages:
-                dequantized = (f"  (dequantized: {', '.join(st.dequantized_types)})"
-                               if st.dequantized_types else "")
-                if st.threaded_shapes:  # a slower path, taken for long steps: shown
-                    dequantized += f"  (steps off the loop: {', '.join(st.threaded_shapes)})"
-                print(f"  {st.pipeline_id:<{w}} {st.stage_index:>5}  {st.model:<{m}}  "
-                      f"{st.artifact_digest[:19]:<20} {fmt_bytes(st.weight_bytes):>10} "
-                      f"{fmt_bytes(st.packed_bytes):>10} {st.sessions:>8}  "
-                      f"{st.route or '?':<5}  {st.device}"
-                      f"{dequantized}")
-        else:
-            print("  no stages loaded")
-        for ld in r.loading:  # LoadStage calls under way
-            step = f" {ld.buckets_done + 1}/{ld.buckets}" if ld.phase == "compile" and \
-                ld.buckets else ""
-            left = "; its caller left, it will be discarded" if ld.abandoned else ""
-            print(f"  loading {ld.stage_id}: {ld.phase}{step} for {fmt_duration(ld.phase_seconds)}"
-                  f" ({fmt_duration(ld.seconds)} in all){left}")
-    return 0
+    client = None
+    try:
+        client = WorkerClient(address, timeout=timeout, **args)
+        client.wait_ready(timeout)
+        return client.info()
+    except JaxdistError as exc:
+        why = (str(exc).splitlines() or [type(exc).__name__])[0]
+        return why if address in why else f"{address}: {why}"
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _print_worker(r: pb.InfoReply) -> None:
+    """One worker's block of the table."""
+    print(f"{r.address}  device={r.default_device}  jax={r.versions.jax} "
+          f"jaxlib={r.versions.jaxlib} spec={r.versions.spec}  "
+          f"uptime={fmt_duration(r.uptime_s)}")
+    memory = memory_line(r)
+    if memory is not None:
+        print(f"  memory: {memory}")
+    bound = (f" of {fmt_bytes(r.artifact_cache_max_bytes)}" if r.artifact_cache_max_bytes
+             else ", no bound")
+    print(f"  sessions: {r.sessions}/{r.max_sessions}; artifacts cached: {len(r.artifacts)} "
+          f"({fmt_bytes(r.artifact_cache_bytes)}{bound}); data port: {r.data_port or 'off'}"
+          + (f"; uploads in progress: {fmt_bytes(r.upload_bytes)}" if r.upload_bytes else "")
+          + (f"; frames being received: {fmt_bytes(r.inflight_bytes)}"
+             if r.inflight_bytes else "")
+          + f"; streams open: {r.streams}")
+    k = r.kernels
+    if k.version:
+        threads = k.threads or f"auto ({k.cpus} CPUs)" if k.cpus else k.threads or "auto"
+        isa = f", dot products {k.isa}" if k.isa else ""
+        print(f"  cpu kernels: {k.version}{isa}, threads {threads}; "
+              f"types {', '.join(k.types)}")
+    else:
+        print(f"  cpu kernels: none ({k.unavailable_reason or 'not advertised'})")
+    if r.stages:
+        stages = sorted(r.stages, key=lambda x: (x.pipeline_id, x.stage_index))
+        w = max(8, *(len(st.pipeline_id) for st in stages))
+        m = max(5, *(len(st.model) for st in stages))
+        print(f"  {'pipeline':<{w}} {'stage':>5}  {'model':<{m}}  {'artifact':<20} "
+              f"{'weights':>10} {'packed':>10} {'sessions':>8}  {'route':<5}  device")
+        for st in stages:
+            dequantized = (f"  (dequantized: {', '.join(st.dequantized_types)})"
+                           if st.dequantized_types else "")
+            if st.threaded_shapes:  # a slower path, taken for long steps: shown
+                dequantized += f"  (steps off the loop: {', '.join(st.threaded_shapes)})"
+            print(f"  {st.pipeline_id:<{w}} {st.stage_index:>5}  {st.model:<{m}}  "
+                  f"{st.artifact_digest[:19]:<20} {fmt_bytes(st.weight_bytes):>10} "
+                  f"{fmt_bytes(st.packed_bytes):>10} {st.sessions:>8}  "
+                  f"{st.route or '?':<5}  {st.device}"
+                  f"{dequantized}")
+    else:
+        print("  no stages loaded")
+    for ld in r.loading:  # LoadStage calls under way
+        step = f" {ld.buckets_done + 1}/{ld.buckets}" if ld.phase == "compile" and \
+            ld.buckets else ""
+        left = "; its caller left, it will be discarded" if ld.abandoned else ""
+        print(f"  loading {ld.stage_id}: {ld.phase}{step} for {fmt_duration(ld.phase_seconds)}"
+              f" ({fmt_duration(ld.seconds)} in all){left}")
 
 
 def memory_line(reply: pb.InfoReply) -> str | None:

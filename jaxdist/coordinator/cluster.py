@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -37,7 +38,13 @@ from jaxdist.core.transport.client import WorkerClient
 from jaxdist.core.transport.dataconn import data_address
 from jaxdist.core.transport.security import ClientAuth, client_auth
 from jaxdist.export.model import Model
-from jaxdist.export.stages import Progress, build_stage_specs, log_progress, plan_stages
+from jaxdist.export.stages import (
+    BuiltStage,
+    Progress,
+    build_stage_specs,
+    log_progress,
+    plan_stages,
+)
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.registry.local import open_registry
 from jaxdist.registry.manifest import Manifest, open_manifest
@@ -48,6 +55,13 @@ if TYPE_CHECKING:  # Ray is optional: jaxdist.launch.ray is imported by Cluster.
 __all__ = ["Cluster", "LoadInterrupted", "Pipeline", "Session", "StageLoad"]
 
 log = logging.getLogger(__name__)
+
+
+class _ExportInterrupted(LoadInterrupted):
+    """Raised in a thread that exports by :meth:`Cluster.interrupt` (made without arguments)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(args or ("interrupted while exporting",)))
 
 
 @dataclass(frozen=True)
@@ -135,6 +149,8 @@ class Cluster:
         self._pipelines: list[Pipeline] = []
         self._loads: dict[str, list[StageLoad]] = {}
         self._interrupted = threading.Event()  # set by interrupt(): no stage loads any more
+        self._exporting: set[int] = set()  # threads tracing in deploy(), which interrupt() stops
+        self._exporting_lock = threading.Lock()
 
     @property
     def addresses(self) -> list[str]:
@@ -314,12 +330,37 @@ class Cluster:
         ranges = plan_stages(model, stages=stages or min(len(order), len(model.units)),
                              split=split, capacities=capacities)
         unpack = self._check_placement(model, ranges, order)
-        built = build_stage_specs(model, ranges, platforms=platforms, progress=progress,
-                                  unpack=unpack)
+        built = self._export(model, ranges, platforms, progress, unpack)
         by_digest = {b.artifact.digest: b.artifact.data for b in built}
         pipeline_id = f"{model.name or 'model'}-{uuid.uuid4().hex[:8]}"
         return self._ship(pipeline_id, [b.spec for b in built], order, device,
                           by_digest.__getitem__, progress, model=model)
+
+    def _export(self, model: Model, ranges: Sequence[range], platforms: Sequence[str],
+                progress: Progress, unpack: Sequence[bool]) -> list[BuiltStage]:
+        """:func:`~jaxdist.export.stages.build_stage_specs`, stopped by Ctrl-C or
+        :meth:`interrupt` with a :class:`LoadInterrupted` that names the stage."""
+        stage = "the model"
+
+        def seen(what: str, done: int, total: int) -> None:
+            nonlocal stage
+            if what.startswith("export "):
+                stage = what.removeprefix("export ")
+            progress(what, done, total)
+
+        if self._interrupted.is_set():
+            raise LoadInterrupted("interrupted before exporting")
+        me = threading.get_ident()
+        with self._exporting_lock:
+            self._exporting.add(me)
+        try:
+            return build_stage_specs(model, ranges, platforms=platforms, progress=seen,
+                                     unpack=unpack)
+        except KeyboardInterrupt:
+            raise LoadInterrupted(f"interrupted while exporting {stage}") from None
+        finally:
+            with self._exporting_lock:
+                self._exporting.discard(me)
 
     def deploy_manifest(self, manifest: Manifest | str, *, registry: Any = None,
                         model_path: str | None = None, workers: Sequence[str] | None = None,
@@ -603,9 +644,20 @@ class Cluster:
     def interrupt(self) -> None:
         """Stop loading stages, from any thread (``jaxdist serve`` on SIGINT): a
         :meth:`load_stages` under way (a deploy, a failover) cancels its calls, unloads what
-        it loaded and raises :class:`LoadInterrupted`, and so does every later one. Running
-        pipelines are not touched."""
+        it loaded and raises :class:`LoadInterrupted`, and so does every later one. An export
+        under way in :meth:`deploy` stops too, within a stage, with a :class:`LoadInterrupted`
+        in the thread that exports. Running pipelines are not touched."""
         self._interrupted.set()
+        # Tracing is Python in the deploying thread, and only the main thread gets Ctrl-C: the
+        # exception is raised in that thread at its next bytecode, as Ctrl-C would be. Each
+        # thread gets it once (it leaves the set here), so none is interrupted a second time
+        # after its export ended. Under the lock: a thread in the set has not yet left
+        # _export's `finally` (which takes the lock), so the exception lands inside _export.
+        with self._exporting_lock:
+            threads, self._exporting = self._exporting - {threading.get_ident()}, set()
+            for thread in threads:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                                           ctypes.py_object(_ExportInterrupted))
 
     def stage_loads(self, pipeline_id: str) -> list[StageLoad]:
         """How each stage of a pipeline this cluster deployed was loaded (upload, bind, compile).

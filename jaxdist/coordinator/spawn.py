@@ -1,8 +1,15 @@
 """Spawn worker processes on loopback: the embedded default for demos, tests and benchmarks.
 
-Each worker is a real ``python -m jaxdist.worker`` process listening on ``127.0.0.1:0``; we read
-the address from the one line it prints when ready. Teardown sends SIGTERM (the worker drains
-and exits 0) and SIGKILLs a worker that does not exit in time.
+Each worker is a real ``python -P -m jaxdist.worker`` process listening on ``127.0.0.1:0``; we
+read the address from the one line it prints when ready. Teardown sends SIGTERM (the worker
+drains and exits 0) and SIGKILLs a worker that does not exit in time.
+
+On Linux the workers die with this process, even when it is killed with SIGKILL
+(``PR_SET_PDEATHSIG``, :func:`jaxdist.launch.process.worker_command`). The signal follows the
+thread that started a worker, so every worker is started by one thread that lives as long as
+the process (:func:`jaxdist.launch.process.start_process`), whichever thread spawns: ``jaxdist
+serve`` spawns from its loader thread, and a worker must not die when such a thread ends.
+Elsewhere a worker outlives a coordinator killed with SIGKILL (a clean exit still stops it).
 
 The workers of one :func:`spawn_workers` call write their logs (and, by default, their shared
 artifact cache) into one temporary directory. It is removed once all of them have stopped; the
@@ -33,7 +40,7 @@ from jaxdist.core import config
 from jaxdist.core.devices import parse_directive
 from jaxdist.core.errors import DeviceError, TransportError
 from jaxdist.core.transport.security import server_auth
-from jaxdist.launch.process import parse_ready, worker_args
+from jaxdist.launch.process import parse_ready, start_process, worker_args, worker_command
 
 __all__ = ["LocalWorker", "check_device", "spawn_workers", "stop_workers"]
 
@@ -90,12 +97,15 @@ class LocalWorker:
 
 def _start(args: list[str], env: dict[str, str], log_path: str,
            cpu: int | None) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "jaxdist.worker", *args]
+    # taskset execs the worker's command in the same process, so the parent stays this one.
+    cmd = worker_command(args, parent=os.getpid())
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         cmd = ["taskset", "-c", str(cpu), *cmd]
     logf = open(log_path, "w")  # noqa: SIM115 - handed to the child, closed with it
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL,
-                            text=True, env=env, start_new_session=True)
+    proc: subprocess.Popen[str] = start_process(
+        cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, text=True, env=env,
+        start_new_session=True)
+    return proc
 
 
 def _wait_ready(proc: subprocess.Popen[str], log_path: str, timeout: float) -> tuple[str, str]:
@@ -125,7 +135,8 @@ def _wait_ready(proc: subprocess.Popen[str], log_path: str, timeout: float) -> t
 # its --device before it reads the model, then spawns, and a device does not come and go.
 _PRESENT: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
 
-# Run as `python -c _PROBE DIRECTIVE` with the workers' environment: exit 0, or 3 with the
+# Run as `python -P -c _PROBE DIRECTIVE` with the workers' environment (-P: the working
+# directory cannot shadow the package, as for the workers): exit 0, or 3 with the
 # DeviceError's message on stdout.
 _PROBE = """\
 import sys
@@ -175,9 +186,9 @@ def check_device(device: str, *, gpu_memory_fraction: float | None = None,
     child_env = _worker_env(env)
     child_env.update(config.gpu_memory_env(None, child_env)[0])  # the child holds no pool
     try:
-        probe = subprocess.run([sys.executable, "-c", _PROBE, str(directive)], env=child_env,
-                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                               timeout=timeout, check=False)
+        probe = subprocess.run([sys.executable, "-P", "-c", _PROBE, str(directive)],
+                               env=child_env, stdin=subprocess.DEVNULL, capture_output=True,
+                               text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise DeviceError(f"device directive {str(directive)!r}: listing this machine's "
                           f"devices took more than {timeout:g} s") from None

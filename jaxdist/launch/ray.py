@@ -11,11 +11,12 @@ Decisions:
 
 * **The worker is the actor's child process**, not a server inside the actor: it is the same
   program, with the same flags, as every other worker, and it never loads Ray.
-* **Actor death is worker death.** The child is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so
-  when the actor's process dies (``ray.kill``, a crash, its owner, the coordinator, exiting) the
-  kernel kills the worker, and the coordinator fails over to a spare as for any dead worker.
-  The other way round, a worker that exits on its own takes its actor with it. Linux only:
-  ``prctl`` is how the kernel ties the two.
+* **Actor death is worker death.** The child is started with ``PR_SET_PDEATHSIG`` = SIGKILL
+  (:func:`jaxdist.launch.process.worker_command`, as local workers are), so when the actor's
+  process dies (``ray.kill``, a crash, its owner, the coordinator, exiting) the kernel kills
+  the worker, and the coordinator fails over to a spare as for any dead worker. The other way
+  round, a worker that exits on its own takes its actor with it. Linux only: ``prctl`` is how
+  the kernel ties the two.
 * **Addresses.** When every bundle is on the coordinator's node, the workers listen on
   loopback; otherwise each listens on its node's IP as Ray knows it, which the other nodes
   reach (``loopback=`` overrides).
@@ -58,7 +59,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Self
 
 from jaxdist.core.errors import DeviceError, JaxdistError, TransportError
-from jaxdist.launch.process import parse_ready, worker_args
+from jaxdist.launch.process import parse_ready, worker_args, worker_command
 
 __all__ = ["STRATEGIES", "RayWorker", "RayWorkers", "WorkerActor", "import_ray", "start_workers"]
 
@@ -67,18 +68,6 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("PACK", "STRICT_SPREAD", "SPREAD", "STRICT_PACK")
 """Ray's placement strategies: ``PACK`` (as few nodes as fit), ``STRICT_SPREAD`` (a node per
 worker), ``SPREAD`` (spread where possible), ``STRICT_PACK`` (one node)."""
-
-# Run in the child before it becomes the worker: die with the actor (PR_SET_PDEATHSIG = 1), and
-# give up if the actor died before that was set (the child was re-parented already).
-_SHIM = """\
-import ctypes, os, signal, sys
-libc = ctypes.CDLL(None, use_errno=True)
-if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
-    sys.exit("jaxdist-worker: prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
-if os.getppid() != int(sys.argv[1]):
-    sys.exit("jaxdist-worker: its Ray actor exited before the worker started")
-os.execv(sys.executable, [sys.executable, "-m", "jaxdist.worker", *sys.argv[2:]])
-"""
 
 
 def import_ray() -> Any:
@@ -125,7 +114,7 @@ class WorkerActor:
 
     def _run(self, args: list[str], env: dict[str, str]) -> None:
         try:
-            proc = subprocess.Popen([sys.executable, "-c", _SHIM, str(os.getpid()), *args],
+            proc = subprocess.Popen(worker_command(args, parent=os.getpid()),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
         except OSError as exc:

@@ -22,6 +22,13 @@ tokenized as text, so a client cannot close its turn or open a system turn
 (``Served.special_tokens_in_content`` allows it).
 
 A client that disconnects aborts its request: its KV slot is free by the next step.
+
+A request's body is parsed, its chat rendered and its prompt tokenized in a thread, never on
+the event loop, so a large body does not hold up ``/health`` or the streams of others. Prompt
+text longer than the model's context can hold (``max_seq`` times
+:data:`~jaxdist.serving.protocol.PROMPT_BYTES_PER_TOKEN` bytes) is refused with 400 before it
+is tokenized. Body size, connections and timeouts are the HTTP server's
+(:mod:`jaxdist.serving.server`).
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from jaxdist.coordinator.chat_template import ChatEncoder
 from jaxdist.coordinator.engine import EngineClosed, QueueFull, RequestFailed
@@ -60,6 +68,8 @@ __all__ = ["Served", "ServerState", "create_app"]
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -179,10 +189,6 @@ def _engine_error(exc: JaxdistError) -> api.APIError:
                         code=kind, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-async def _json_body(request: Request) -> object:
-    return api.parse_json(await request.body())
-
-
 def _check_model(state: ServerState, model: str, kind: str, route: str) -> Served:
     served = state.served()
     if model != served.name:
@@ -194,6 +200,23 @@ def _check_model(state: ServerState, model: str, kind: str, route: str) -> Serve
         raise api.APIError(f"model `{model}` is a {served.kind}, which {route} does not "
                            f"serve; use {other}", param="model")
     return served
+
+
+def _check_prompt_bytes(served: Served, texts: Sequence[str], param: str) -> None:
+    """400 for prompt text longer than the context can hold, before it is tokenized (an
+    encoder, whose ``max_seq`` is not known here, is bounded by the body limit alone)."""
+    if served.max_seq <= 0:
+        return
+    limit = served.max_seq * api.PROMPT_BYTES_PER_TOKEN
+    chars = sum(len(t) for t in texts)
+    if chars * 4 <= limit:  # at most 4 UTF-8 bytes a character
+        return
+    size = sum(len(t) if t.isascii() else len(t.encode("utf-8")) for t in texts)
+    if size > limit:
+        raise api.APIError(f"{param}: the prompt's text is {size} bytes; this server tokenizes "
+                           f"at most {limit} ({api.PROMPT_BYTES_PER_TOKEN} bytes for each of the "
+                           f"{served.max_seq} positions of this model's context, max_seq)",
+                           param=param, code="context_length_exceeded")
 
 
 def _prompt_ids(served: Served, prompt: str | tuple[int, ...], param: str) -> list[int]:
@@ -226,6 +249,96 @@ def _params(req: api.CompletionRequest | api.ChatRequest, served: Served, prompt
                           default_max_tokens=default_max_tokens)
     except ParamError as exc:
         raise api.param_error(exc) from None
+
+
+def _completion_inputs(state: ServerState, body: object
+                       ) -> tuple[api.CompletionRequest, Served, list[int], SamplingParams]:
+    """A completions request read, checked and tokenized: blocking, run in a thread."""
+    req = api.parse_completion(body)
+    served = _check_model(state, req.model, "causal-lm", "/v1/completions")
+    if isinstance(req.prompt, str):
+        _check_prompt_bytes(served, [req.prompt], "prompt")
+    ids = _prompt_ids(served, req.prompt, "prompt")
+    params = _params(req, served, len(ids), default_max_tokens=16)  # OpenAI's default
+    return req, served, ids, params
+
+
+def _chat_inputs(state: ServerState, body: object
+                 ) -> tuple[api.ChatRequest, Served, list[int], SamplingParams]:
+    """A chat request read, checked, rendered and tokenized: blocking, run in a thread."""
+    req = api.parse_chat(body)
+    served = _check_model(state, req.model, "causal-lm", "/v1/chat/completions")
+    if served.chat is None:
+        raise api.APIError(f"model `{served.name}` has no tokenizer with a chat template "
+                           f"here; use /v1/completions with token ids", param="messages")
+    _check_prompt_bytes(served, [m["content"] for m in req.messages], "messages")
+    try:
+        ids = served.chat.encode(req.messages, add_generation_prompt=True)
+    except SpecError as exc:
+        raise api.APIError(f"messages: {exc}", param="messages") from None
+    params = _params(req, served, len(ids), default_max_tokens=None)
+    return req, served, ids, params
+
+
+def _embedding_inputs(state: ServerState, body: object
+                      ) -> tuple[api.EmbeddingRequest, Served, list[list[int]]]:
+    """An embeddings request read, checked and tokenized: blocking, run in a thread."""
+    req = api.parse_embedding(body)
+    served = _check_model(state, req.model, "encoder", "/v1/embeddings")
+    rows = [_prompt_ids(served, item, f"input[{i}]") for i, item in enumerate(req.inputs)]
+    vocab = getattr(served.tokenizer, "vocab_size", None)
+    for i, row in enumerate(rows):
+        try:
+            check_token_ids(row, vocab, field=f"input[{i}]")
+        except ParamError as exc:
+            raise api.param_error(exc) from None
+    return req, served, rows
+
+
+def _dismantle(value: object) -> None:
+    """Free a parsed body an item at a time. Freed whole, a 10 MB array of token ids frees
+    1.7 million ints in one call that holds the GIL for 50-100 ms; item by item, the thread
+    lets the event loop run between them."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            while item:
+                child = item.pop()
+                if isinstance(child, (list, dict)):
+                    stack.append(child)
+        elif isinstance(item, dict):
+            while item:
+                child = item.popitem()[1]
+                if isinstance(child, (list, dict)):
+                    stack.append(child)
+
+
+DISMANTLE_BYTES = 1 << 20  # a body at least this large is freed an item at a time
+
+
+async def _off_loop(read: Callable[[ServerState, object], _T], state: ServerState,
+                    raw: bytes) -> _T:
+    """``read(state, body)`` on the body parsed from ``raw``, in a thread. What the request
+    parsed is freed there too, not on the event loop: a refusal comes back without its
+    traceback (whose frames hold the request), and a large body is taken apart
+    (:func:`_dismantle`) once nothing else holds its items."""
+    def run() -> tuple[_T | None, api.APIError | None]:
+        body: object = None
+        try:
+            body = api.parse_json(raw)
+            return read(state, body), None
+        except api.APIError as exc:
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+            return None, exc
+        finally:
+            if len(raw) >= DISMANTLE_BYTES:
+                _dismantle(body)
+
+    value, error = await asyncio.to_thread(run)
+    if error is not None:
+        raise error
+    return value  # type: ignore[return-value]
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -313,6 +426,12 @@ def create_app(state: ServerState) -> FastAPI:
         return _error_response(api.APIError(message, status=exc.status_code,
                                             headers=exc.headers))
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        """The client went (or the server cut it off) while its body was read: nobody reads
+        an answer, and it is no server error."""
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         """A bug: OpenAI's 500 body rather than a bare text. Starlette raises the exception
@@ -352,25 +471,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         guard(request)
-        req = api.parse_completion(await _json_body(request))
-        served = _check_model(state, req.model, "causal-lm", "/v1/completions")
-        ids = _prompt_ids(served, req.prompt, "prompt")
-        params = _params(req, served, len(ids), default_max_tokens=16)  # OpenAI's default
+        req, served, ids, params = await _off_loop(_completion_inputs, state,
+                                                   await request.body())
         return await _generate(request, served, req, ids, params, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
         guard(request)
-        req = api.parse_chat(await _json_body(request))
-        served = _check_model(state, req.model, "causal-lm", "/v1/chat/completions")
-        if served.chat is None:
-            raise api.APIError(f"model `{served.name}` has no tokenizer with a chat template "
-                               f"here; use /v1/completions with token ids", param="messages")
-        try:
-            ids = served.chat.encode(req.messages, add_generation_prompt=True)
-        except SpecError as exc:
-            raise api.APIError(f"messages: {exc}", param="messages") from None
-        params = _params(req, served, len(ids), default_max_tokens=None)
+        req, served, ids, params = await _off_loop(_chat_inputs, state, await request.body())
         return await _generate(request, served, req, ids, params, chat=True)
 
     async def _generate(request: Request, served: Served,
@@ -428,16 +536,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> JSONResponse:
         guard(request)
-        req = api.parse_embedding(await _json_body(request))
-        served = _check_model(state, req.model, "encoder", "/v1/embeddings")
+        req, served, rows = await _off_loop(_embedding_inputs, state, await request.body())
         assert served.embed is not None
-        rows = [_prompt_ids(served, item, f"input[{i}]") for i, item in enumerate(req.inputs)]
-        vocab = getattr(served.tokenizer, "vocab_size", None)
-        for i, row in enumerate(rows):
-            try:
-                check_token_ids(row, vocab, field=f"input[{i}]")
-            except ParamError as exc:
-                raise api.param_error(exc) from None
         try:
             vectors = await asyncio.to_thread(served.embed, rows)
         except JaxdistError as exc:

@@ -37,13 +37,18 @@ import numpy as np
 
 from jaxdist.coordinator.request import ParamError, SamplingParams
 
-__all__ = ["APIError", "ChatRequest", "CompletionRequest", "EmbeddingRequest", "chat_chunk",
-           "chat_response", "completion_chunk", "completion_response", "embedding_response",
-           "error_body", "finish_reason", "models_response", "param_error", "parse_chat",
-           "parse_completion", "parse_embedding", "parse_json", "usage"]
+__all__ = ["PROMPT_BYTES_PER_TOKEN", "APIError", "ChatRequest", "CompletionRequest",
+           "EmbeddingRequest", "chat_chunk", "chat_response", "completion_chunk",
+           "completion_response", "embedding_response", "error_body", "finish_reason",
+           "models_response", "param_error", "parse_chat", "parse_completion", "parse_embedding",
+           "parse_json", "usage"]
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; a request needs 4
 MAX_INT_DIGITS = 64  # digits of a JSON integer (Python refuses to read more than 4300)
+PROMPT_BYTES_PER_TOKEN = 32
+"""Prompt text a server tokenizes per position of its model's context (``max_seq``), in UTF-8
+bytes: text longer than ``max_seq`` times this is refused (400) before it is tokenized. English
+averages about 4 bytes a token; only long runs of whitespace come near 32."""
 
 
 class APIError(Exception):
@@ -89,6 +94,20 @@ def param_error(exc: ParamError, *, renames: Mapping[str, str] | None = None) ->
 # -- the body ------------------------------------------------------------------------------------
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SCAN_CHARS = 1 << 18  # a search holds the GIL: a long string is searched a slice at a time
+
+
+def _surrogate(text: str) -> re.Match[str] | None:
+    """The first lone surrogate in ``text``, or None. An ASCII string is answered at once; a
+    long one is searched in slices, so a thread checking a 10 MB prompt lets the event loop run
+    between them."""
+    if text.isascii():
+        return None
+    for start in range(0, len(text), _SCAN_CHARS):
+        found = _SURROGATE.search(text, start, start + _SCAN_CHARS)
+        if found is not None:
+            return found
+    return None
 
 
 def _json_int(text: str) -> int:
@@ -116,7 +135,7 @@ def _where(path: str) -> str:
 
 
 def _check_string(text: str, path: str) -> None:
-    bad = _SURROGATE.search(text)
+    bad = _surrogate(text)
     if bad is not None:
         raise APIError(f"{_where(path)}: expected a valid Unicode string, found a lone "
                        f"surrogate \\u{ord(bad.group()):04x} at character {bad.start()}",
@@ -139,11 +158,11 @@ def _check_json(value: object) -> None:
                            f"{MAX_JSON_DEPTH} deep, found more at {path[:60]}")
         pairs = item.items() if isinstance(item, dict) else enumerate(item)
         for key, v in pairs:
-            if isinstance(key, str) and _SURROGATE.search(key) is not None:
+            if isinstance(key, str) and _surrogate(key) is not None:
                 raise APIError(f"{_where(path)}: expected keys that are valid Unicode, found "
                                f"one with a lone surrogate")
             if isinstance(v, str):
-                if _SURROGATE.search(v) is not None:
+                if _surrogate(v) is not None:
                     _check_string(v, _child(path, key))
             elif isinstance(v, (dict, list)):
                 stack.append((v, _child(path, key), depth + 1))
