@@ -386,11 +386,11 @@ def test_a_flood_of_1100_connections_at_1024_open_files_leaves_room_for_a_client
     limited = (f"import resource, runpy, sys; "  # `ulimit -n 1024` with the hard limit too
                f"resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE})); "
                f"sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.Popen([sys.executable, "-c", limited, str(here / "serving_utils.py"),
                              "--api-key", KEY, "--head-timeout", "600"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                [str(here), os.environ.get("PYTHONPATH", "")])})
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": path})
     lines: queue.Queue[str | None] = queue.Queue()
     log: list[str] = []
 

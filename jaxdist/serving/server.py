@@ -136,7 +136,8 @@ class HTTPLimits:
 # -- bodies --------------------------------------------------------------------------------------
 
 def _json_response(status: int, message: str, *, code: str | None,
-                   headers: dict[str, str] | None = None) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+                   headers: dict[str, str] | None = None
+                   ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     kind = "server_error" if status >= 500 else "invalid_request_error"
     body = json.dumps(api.error_body(message, type=kind, code=code)).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
