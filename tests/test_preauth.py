@@ -18,7 +18,7 @@ import time
 import pytest
 
 from jaxdist.core.transport.client import WorkerClient
-from jaxdist.worker.server import FD_RESERVE
+from jaxdist.core.openfiles import FD_RESERVE
 
 LIMIT = 1024
 

@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     # Imported after logging is set up: importing jax is slow and may log.
     from jaxdist.core.transport import security
     from jaxdist.core.transport.trust import PeerTrust
-    from jaxdist.worker.server import create_server, raise_fd_limit
+    from jaxdist.core.openfiles import raise_fd_limit
+    from jaxdist.worker.server import create_server
     from jaxdist.worker.config import WorkerConfig
 
     for flag, value, least in (("--max-sessions", opts.max_sessions, 1),

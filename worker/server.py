@@ -19,13 +19,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import resource
 import threading
 from concurrent import futures
 
 import grpc
 
 from jaxdist.core.errors import TransportError
+# The open-file limit and the connection bound under it, shared with jaxdist serve. The gRPC port
+# holds connection_limit() at once; beyond it a new connection waits for one to close, and an
+# idle one that never finishes its handshake is closed after 5 s (grpc.server_handshake_timeout_ms).
+from jaxdist.core.openfiles import FD_RESERVE, connection_limit, raise_fd_limit
 from jaxdist.core.transport import wire
 from jaxdist.core.transport.channel import SERVER_OPTIONS
 from jaxdist.core.transport.security import ServerAuth
@@ -75,33 +78,6 @@ class WorkerServer:
         return bool(future.result())
 
 
-FD_RESERVE = 256
-"""File descriptors kept for the worker's own use (weights, artifacts, peers, logs) beyond the
-connections it accepts."""
-
-
-def raise_fd_limit() -> int:
-    """Raise the soft limit of open files to the hard one (capped at 65536); the new soft limit.
-
-    Linux starts most processes at a soft limit of 1024, which a few hundred idle connections
-    exhaust; the hard limit is the administrator's bound and stays."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = min(hard if hard != resource.RLIM_INFINITY else 65536, 65536)
-    if want > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, want, exc)
-    return soft
-
-
-def connection_limit() -> int:
-    """Connections the gRPC port holds at once: the open-file limit less :data:`FD_RESERVE`
-    (at least 64). Beyond it a new connection waits for one to close; an idle one that never
-    finishes its handshake is closed after 5 s (``grpc.server_handshake_timeout_ms``)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(64, soft - FD_RESERVE)
 
 
 def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = None, *,
