@@ -235,10 +235,10 @@ class _Weights(WeightTable):
                          fields={"p": prefix})
 
     def param(self, logical: str, shape: tuple[int, ...], i: int = 0, *,
-              transpose: bool | None = None) -> Param:
+              transpose: bool | None = None, j: int = 0) -> Param:
         if transpose is None:
             transpose = self.scheme == "gguf" and len(shape) == 2 and logical.startswith("w_")
-        return super().param(logical, shape, i, transpose=transpose)
+        return super().param(logical, shape, i, transpose=transpose, j=j)
 
 
 def _load_source(path: str, roots: Roots, dtype: str, headers: Headers | None = None

@@ -297,3 +297,32 @@ def apply_partial_rope(x: Array, cos: Array, sin: Array, *, interleaved: bool) -
         return apply_rope(x, cos, sin, interleaved=interleaved)
     rotated = apply_rope(x[..., :rot], cos, sin, interleaved=interleaved)
     return jnp.concatenate([rotated, x[..., rot:]], axis=-1)
+
+
+def moe_swiglu(h: Array, router: Any, gate: Any, up: Any, down: Any, *, n_used: int,
+               norm_topk: bool, live: Array) -> Array:
+    """A Mixture-of-Experts SwiGLU block (Mixtral, Qwen3-MoE): ``(b, s, d) -> (b, s, d)`` float32.
+
+    Each token is routed on its own: the softmax of ``h @ router`` over the experts (in
+    float32), its ``n_used`` largest entries chosen (ties to the lower index), their weights
+    renormalized to sum to 1 when ``norm_topk``; the output is the weighted sum of the chosen
+    experts' ``down(silu(gate(h)) * up(h))``. As transformers' Mixtral and Qwen3-MoE blocks,
+    and llama.cpp's ``build_moe_ffn`` with softmax gating.
+
+    Args:
+        router: ``(d, E)``, a plain array or a transposed :class:`~jaxdist.core.kernels.ops.QTensor`.
+        gate, up, down: the experts, as :func:`jaxdist.core.kernels.ops.expert_linear` takes
+            them: stacked ``(E, f, d)`` / ``(E, d, f)`` as stored, or a list of E matrices.
+        live: ``(b, s)``, the tokens that are not padding (the CPU kernel skips the others).
+    """
+    b, s, d = h.shape
+    h2 = h.reshape((b * s, d))
+    rows = live.reshape((b * s,))
+    probs = jax.nn.softmax(ops.linear(h2, router, rows).astype(jnp.float32), axis=-1)
+    weights, ids = lax.top_k(probs, n_used)
+    if norm_topk:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    g = ops.expert_linear(h2, gate, ids, rows)
+    u = ops.expert_linear(h2, up, ids, rows)
+    y = ops.expert_linear(jax.nn.silu(g) * u, down, ids, rows)
+    return jnp.einsum("ts,tsd->td", weights, y).reshape((b, s, d))

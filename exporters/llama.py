@@ -1,4 +1,4 @@
-"""Llama-family decoder exporter (Llama, Mistral, Qwen2/3, Phi-3, SmolLM2) from GGUF or HF files.
+"""Llama-family decoder exporter (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Phi-3, SmolLM2).
 
 The exporter reads metadata only (the GGUF header, or ``config.json`` plus the safetensors
 headers) and returns a :class:`jaxdist.Model` of units ``embed``, ``blk.0`` ... ``blk.{L-1}`` and
@@ -33,6 +33,11 @@ The other members differ from Llama by a few config fields (:class:`LlamaConfig`
 * Qwen3 (dense): ``head_dim`` set apart from ``hidden_size / heads``, and an RMSNorm over
   ``head_dim`` of every q and k head before RoPE (``q_norm``/``k_norm``; GGUF
   ``attn_q_norm``/``attn_k_norm``). Its sliding window (``use_sliding_window``) is refused.
+* Mixtral and Qwen3-MoE: a Mixture-of-Experts SwiGLU in place of the MLP (``n_experts`` > 0;
+  :func:`jaxdist.exporters.layers.moe_swiglu`): a router (GGUF ``ffn_gate_inp``), and each
+  projection's experts stacked ``(E, out, in)`` in GGUF (``ffn_{gate,up,down}_exps``, bound
+  packed where quantized) or one tensor per expert in a checkpoint. Mixtral is GGUF arch
+  ``llama`` with ``expert_count``; Qwen3-MoE (``qwen3moe``) has Qwen3's attention.
 * Phi-3 / Phi-3.5 / Phi-4-mini: one fused ``qkv_proj`` (rows q, then k, then v; GGUF
   ``attn_qkv``) and one fused ``gate_up_proj`` (gate rows, then up; GGUF ``ffn_up``), each one
   product whose output columns are split, packed quantized matrices included; RoPE on the first
@@ -71,7 +76,7 @@ from jaxdist.core.kernels import ops
 from jaxdist.core.weights import WeightInfo
 from jaxdist.export.buckets import prefill_rows, step_buckets
 from jaxdist.export.causal_lm import STEP_CONTROL, CausalLM, step_signature
-from jaxdist.export.model import Model, Unit
+from jaxdist.export.model import Model, Param, Unit
 from jaxdist.export.plugins import LoadedModel
 from jaxdist.exporters import layers
 from jaxdist.exporters.source import Headers, WeightTable, open_source
@@ -82,10 +87,13 @@ __all__ = ["EXPORTER", "LlamaConfig", "llama_model"]
 Roots = Sequence[str | os.PathLike[str]]
 
 _HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+             "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
+             "Phi3ForCausalLM": "phi3"}
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
 # RoPE scaling types (HF rope_type) per architecture; "su" is Phi-3's first name for longrope.
-_HF_ROPE_TYPES = {**dict.fromkeys(("llama", "qwen2", "qwen3"), ("default", "linear", "llama3")),
+_HF_ROPE_TYPES = {**dict.fromkeys(("llama", "qwen2", "qwen3", "qwen3moe"),
+                                  ("default", "linear", "llama3")),
                   "phi3": ("default", "longrope", "su")}
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -103,6 +111,9 @@ _NAMES = {
         "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight",
         "w_down": "blk.{i}.ffn_down.weight",
         "w_gate_up": "blk.{i}.ffn_up.weight",  # phi3: gate rows then up rows, in one tensor
+        # Mixture-of-Experts: the router, and each projection's experts stacked (E, out, in)
+        "router": "blk.{i}.ffn_gate_inp.weight", "x_gate": "blk.{i}.ffn_gate_exps.weight",
+        "x_up": "blk.{i}.ffn_up_exps.weight", "x_down": "blk.{i}.ffn_down_exps.weight",
     },
     "safetensors": {
         "embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
@@ -123,22 +134,34 @@ _NAMES = {
         "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
         "w_up": "model.layers.{i}.mlp.up_proj.weight",
         "w_down": "model.layers.{i}.mlp.down_proj.weight",
+        # Mixture-of-Experts (Qwen3-MoE): the router, and expert {j}'s matrices, one tensor each
+        "router": "model.layers.{i}.mlp.gate.weight",
+        "x_gate": "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+        "x_up": "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+        "x_down": "model.layers.{i}.mlp.experts.{j}.down_proj.weight",
     },
 }
+# Mixtral's checkpoints name the same tensors after its own modules.
+_MIXTRAL_NAMES = {**_NAMES["safetensors"],
+                  "router": "model.layers.{i}.block_sparse_moe.gate.weight",
+                  "x_gate": "model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
+                  "x_up": "model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
+                  "x_down": "model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight"}
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Hyperparameters of a Llama-family decoder, as read from a file's metadata."""
 
-    arch: str                      # "llama" (also Mistral, SmolLM), "qwen2", "qwen3" or "phi3"
+    arch: str                      # "llama" (also Mistral, Mixtral, SmolLM), "qwen2", "qwen3",
+                                   # "qwen3moe" or "phi3"
     vocab: int                     # rows of the token embedding
     d_model: int                   # residual width
     n_layers: int                  # decoder blocks
     n_heads: int                   # query heads
     n_kv_heads: int                # key/value heads (grouped-query attention when < n_heads)
     head_dim: int                  # width of one head
-    ffn_dim: int                   # SwiGLU hidden width
+    ffn_dim: int                   # SwiGLU hidden width (of each expert, for a MoE)
     rope_theta: float              # RoPE base frequency
     rms_eps: float                 # RMSNorm epsilon
     tied: bool                     # the output projection is the token embedding
@@ -159,6 +182,9 @@ class LlamaConfig:
     fused_qkv: bool = False        # one q|k|v matrix, split after the product (Phi-3)
     fused_gate_up: bool = False    # one gate|up matrix, split after the product (Phi-3)
     sliding_window: int | None = None    # attention window (Mistral v0.1); None: full
+    n_experts: int = 0             # Mixture-of-Experts: experts per layer; 0: a dense SwiGLU
+    n_experts_used: int = 0        # experts each token is routed to (top-k)
+    expert_norm_topk: bool = True  # the chosen experts' weights are renormalized to sum to 1
     bos_id: int | None = None      # beginning-of-sequence token, if known
     eos_ids: tuple[int, ...] = ()  # tokens that end generation, if known
 
@@ -232,13 +258,24 @@ def _gguf_config(meta: Mapping[str, Any], infos: Mapping[str, WeightInfo], where
                         f"none, linear, llama3 factors (rope_freqs.weight) or, for phi3, longrope "
                         f"factors (rope_factors_short.weight)")
     window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0) if arch == "phi3" else 0
+    n_experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if arch == "qwen3moe" and n_experts < 1:
+        raise SpecError(f"GGUF '{where}': metadata key 'qwen3moe.expert_count' is missing")
+    if n_experts and "blk.0.ffn_gate_exps.weight" not in infos:
+        old = "blk.0.ffn_gate.0.weight" in infos
+        raise SpecError(f"GGUF '{where}': {n_experts} experts ({arch}.expert_count), but no "
+                        f"stacked expert tensor 'blk.0.ffn_gate_exps.weight'"
+                        + ("; this file stores one tensor per expert (blk.N.ffn_gate.E.weight, "
+                           "llama.cpp's layout before 2024): convert it again with a current "
+                           "convert_hf_to_gguf.py" if old else ""))
+    ffn_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
     return LlamaConfig(
         arch=arch, vocab=infos["token_embd.weight"].shape[0], d_model=d,
         n_layers=int(key("block_count")), n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)), head_dim=head_dim,
-        ffn_dim=int(key("feed_forward_length")), rope_theta=float(key("rope.freq_base", 1e4)),
+        ffn_dim=int(key(ffn_key)), rope_theta=float(key("rope.freq_base", 1e4)),
         rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         tied="output.weight" not in infos, qkv_bias="blk.0.attn_q.bias" in infos,
         max_position=int(key("context_length", 2048)), rope_interleaved=(arch == "llama"),
@@ -247,8 +284,12 @@ def _gguf_config(meta: Mapping[str, Any], infos: Mapping[str, WeightInfo], where
         if longrope else 8192,
         rope_attn_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
         rotary_dim=None if rotary == head_dim else rotary,
-        qk_norm=(arch == "qwen3"), fused_qkv="blk.0.attn_qkv.weight" in infos,
+        qk_norm=arch in ("qwen3", "qwen3moe"), fused_qkv="blk.0.attn_qkv.weight" in infos,
         fused_gate_up=(arch == "phi3"), sliding_window=window or None,
+        # llama.cpp renormalizes the chosen experts' weights for both MoE archs, whatever the
+        # HF config said (norm_topk_prob); the same file computes the same here.
+        n_experts=n_experts,
+        n_experts_used=int(key("expert_used_count")) if n_experts else 0,
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos)))
 
@@ -262,7 +303,7 @@ def _hf_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
     arch = _HF_ARCHS[name]
     # Each refusal names the key, what was found and what is supported.
     refused = [f"{k}=true (supported: false)" for k in ("attention_bias", "mlp_bias")
-               if arch in ("llama", "qwen3") and cfg.get(k)]
+               if arch in ("llama", "qwen3", "qwen3moe") and cfg.get(k)]
     if cfg.get("hidden_act", "silu") != "silu":
         refused.append(f"hidden_act={cfg['hidden_act']!r} (supported: 'silu')")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -270,7 +311,12 @@ def _hf_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
     if rope_type not in _HF_ROPE_TYPES[arch]:
         refused.append(f"RoPE scaling type {rope_type!r} (supported for {name}: "
                        f"{', '.join(_HF_ROPE_TYPES[arch])})")
-    if arch == "qwen3" and (cfg.get("use_sliding_window")
+    if arch == "qwen3moe" and (int(cfg.get("decoder_sparse_step", 1)) != 1
+                               or cfg.get("mlp_only_layers")):
+        refused.append(f"dense layers among the MoE layers (decoder_sparse_step="
+                       f"{cfg.get('decoder_sparse_step')}, mlp_only_layers="
+                       f"{cfg.get('mlp_only_layers')}; supported: 1 and [])")
+    if arch in ("qwen3", "qwen3moe") and (cfg.get("use_sliding_window")
                             or "sliding_attention" in (cfg.get("layer_types") or ())):
         refused.append("use_sliding_window=true (sliding-window attention on the layers from "
                        "max_window_layers on; supported: false)")
@@ -281,7 +327,7 @@ def _hf_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
     head_dim = int(cfg.get("head_dim") or d // n_heads)
     max_position = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3moe") and not cfg.get("use_sliding_window", False):
         window = None
     rotary, attn_factor = head_dim, 1.0
     short: tuple[float, ...] = ()
@@ -311,11 +357,13 @@ def _hf_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
         elif factor > 1.0:
             attn_factor = math.sqrt(1 + math.log(factor) / math.log(original))
     eos = cfg.get("eos_token_id")
+    n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    ffn = cfg["moe_intermediate_size"] if arch == "qwen3moe" else cfg["intermediate_size"]
     return LlamaConfig(
         arch=arch, vocab=int(cfg["vocab_size"]), d_model=d,
         n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), head_dim=head_dim,
-        ffn_dim=int(cfg["intermediate_size"]),
+        ffn_dim=int(ffn),
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=(arch == "qwen2"),
@@ -325,8 +373,11 @@ def _hf_config(cfg: Mapping[str, Any], where: str) -> LlamaConfig:
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_position=original, rope_short_factor=short,
         rope_attn_factor=float(attn_factor), rotary_dim=None if rotary == head_dim else rotary,
-        qk_norm=(arch == "qwen3"), fused_qkv=(arch == "phi3"), fused_gate_up=(arch == "phi3"),
-        sliding_window=int(window) if window else None, bos_id=cfg.get("bos_token_id"),
+        qk_norm=arch in ("qwen3", "qwen3moe"), fused_qkv=(arch == "phi3"),
+        fused_gate_up=(arch == "phi3"), sliding_window=int(window) if window else None,
+        n_experts=n_experts, n_experts_used=int(cfg.get("num_experts_per_tok") or 0),
+        # Mixtral always renormalizes; Qwen3-MoE where norm_topk_prob says so
+        expert_norm_topk=bool(cfg.get("norm_topk_prob", True)), bos_id=cfg.get("bos_token_id"),
         eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)))
 
 
@@ -376,6 +427,14 @@ def _block(cfg: LlamaConfig, inv_freq: np.ndarray, params: dict[str, Any],
     att = att.reshape(b, s, cfg.n_heads * cfg.head_dim)
     x = x + ops.linear(att, params["wo"], live).astype(x.dtype)
     h = layers.rms_norm(x, params["ffn_norm"], cfg.rms_eps)
+    if cfg.n_experts:
+        experts = {n: params[n] if n in params else
+                   [params[f"{n}.{j}"] for j in range(cfg.n_experts)]
+                   for n in ("x_gate", "x_up", "x_down")}
+        moe = layers.moe_swiglu(h, params["router"], experts["x_gate"], experts["x_up"],
+                                experts["x_down"], n_used=cfg.n_experts_used,
+                                norm_topk=cfg.expert_norm_topk, live=live)
+        return dict(carry, x=x + moe.astype(x.dtype)), {"k": k_cache, "v": v_cache}
     if cfg.fused_gate_up:
         gate, up = jnp.split(ops.linear(h, params["w_gate_up"], live), 2, axis=-1)
     else:
@@ -410,9 +469,24 @@ def _load_source(path: str, roots: Roots, dtype: str, quantized: bool,
     else:
         cfg = LlamaConfig.from_hf(src.hf_directory)
     kind = "gguf" if src.scheme == "gguf" else "hf"
-    table = WeightTable(src, _NAMES[src.scheme], dtype, family="llama-family",
-                        quantized=quantized)
+    names = (_MIXTRAL_NAMES if src.scheme == "safetensors" and cfg.n_experts
+                 and cfg.arch == "llama" else _NAMES[src.scheme])
+    table = WeightTable(src, names, dtype, family="llama-family", quantized=quantized)
     return cfg, table, kind
+
+
+def _expert_params(w: WeightTable, cfg: LlamaConfig, i: int) -> dict[str, Param]:
+    """Layer ``i``'s router and experts: GGUF's stacked ``(E, out, in)`` tensors (packed as
+    stored where quantized), or a checkpoint's one tensor per expert, as ``x_gate.{j}``."""
+    d, f, e = cfg.d_model, cfg.ffn_dim, cfg.n_experts
+    p = {"router": w.param("router", (d, e), i, transpose=True)}
+    shapes = {"x_gate": (f, d), "x_up": (f, d), "x_down": (d, f)}
+    for name, shape in shapes.items():
+        if w.scheme == "gguf":
+            p[name] = w.param(name, (e, *shape), i)
+        else:
+            p |= {f"{name}.{j}": w.param(name, shape, i, j=j) for j in range(e)}
+    return p
 
 
 def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 4,
@@ -456,6 +530,9 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
                         f"and {max_seq}")
     path = os.fspath(path)
     cfg, w, kind = _load_source(path, roots, dtype, quantized, headers)
+    if cfg.n_experts and not 1 <= cfg.n_experts_used <= cfg.n_experts:
+        raise SpecError(f"'{path}': {cfg.n_experts} experts, of which each token uses "
+                        f"{cfg.n_experts_used}; expected between 1 and {cfg.n_experts}")
     if cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
         raise SpecError(f"'{path}': n_heads {cfg.n_heads} must be a multiple of n_kv_heads "
                         f"{cfg.n_kv_heads}, and head_dim {cfg.head_dim} even")
@@ -499,12 +576,15 @@ def llama_model(path: str | os.PathLike[str], *, roots: Roots, max_slots: int = 
                   "wv": w.param("wv", (d, kv_dim), i, transpose=True)}
         p |= {"wo": w.param("wo", (q_dim, d), i, transpose=True),
               "ffn_norm": w.param("ffn_norm", (d,), i)}
-        if cfg.fused_gate_up:
-            p["w_gate_up"] = w.param("w_gate_up", (d, 2 * f), i, transpose=True)
+        if cfg.n_experts:
+            p |= _expert_params(w, cfg, i)
+        elif cfg.fused_gate_up:
+            p |= {"w_gate_up": w.param("w_gate_up", (d, 2 * f), i, transpose=True),
+                  "w_down": w.param("w_down", (f, d), i, transpose=True)}
         else:
             p |= {"w_gate": w.param("w_gate", (d, f), i, transpose=True),
-                  "w_up": w.param("w_up", (d, f), i, transpose=True)}
-        p["w_down"] = w.param("w_down", (f, d), i, transpose=True)
+                  "w_up": w.param("w_up", (d, f), i, transpose=True),
+                  "w_down": w.param("w_down", (f, d), i, transpose=True)}
         if cfg.qkv_bias:
             p |= {"bq": w.param("bq", (q_dim,), i), "bk": w.param("bk", (kv_dim,), i),
                   "bv": w.param("bv", (kv_dim,), i)}

@@ -167,21 +167,24 @@ class WeightTable:
     def scheme(self) -> str:
         return self.source.scheme
 
-    def name(self, logical: str, i: int = 0) -> str:
-        return self.names[logical].format(i=i, **self.fields)
+    def name(self, logical: str, i: int = 0, j: int = 0) -> str:
+        """The tensor name of a logical weight of layer ``i`` (and expert ``j``)."""
+        return self.names[logical].format(i=i, j=j, **self.fields)
 
     def has(self, logical: str, i: int = 0) -> bool:
         return self.name(logical, i) in self.source.infos
 
     def param(self, logical: str, shape: tuple[int, ...], i: int = 0, *,
-              transpose: bool = False) -> Param:
-        """The Param of one tensor, bound with ``shape`` (after ``transpose``).
+              transpose: bool = False, j: int = 0) -> Param:
+        """The Param of one tensor (of layer ``i``, expert ``j``), bound with ``shape`` (after
+        ``transpose``). Quantized 2-D matrices and stacks of them (3-D, as stored: the experts
+        of a MoE layer) are bound packed.
 
         Raises:
             SpecError: the tensor is missing or its shape disagrees with the config.
         """
         src = self.source
-        name = self.name(logical, i)
+        name = self.name(logical, i, j)
         info = src.infos.get(name)
         if info is None:
             raise SpecError(f"{src.scheme} '{src.path}': tensor '{name}' is missing; the file "
@@ -192,7 +195,8 @@ class WeightTable:
                             f"{tuple(info.shape)}, expected {shape[::-1] if transpose else shape} "
                             f"from the config")
         qtype = info.storage_type
-        packed = self.quantized and len(shape) == 2 and qtype in KERNEL_TYPES
+        packed = (self.quantized and qtype in KERNEL_TYPES
+                  and (len(shape) == 2 or (len(shape) == 3 and not transpose)))
         if self.quantized and qtype is not None and qtype not in ("F32", *KERNEL_TYPES) and \
                 qtype not in self._no_kernel:
             self._no_kernel.add(qtype)

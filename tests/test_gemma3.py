@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import subprocess
 import sys
@@ -34,6 +33,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import gguf  # noqa: E402
+from llamacpp_ref import check_tokens as _check_tokens  # noqa: E402
+from llamacpp_ref import llamacpp as _llamacpp  # noqa: E402
 from llm_utils import generate  # noqa: E402
 
 from jaxdist.coordinator.cluster import Cluster  # noqa: E402
@@ -56,10 +57,6 @@ N_NEW = 16
 WINDOW = 5
 PROMPT = [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180]  # longer than the window
 LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-NEAR_TIE = 0.25  # logits, with quantized activations: see tests/test_quantized_llm.py
-LLAMACPP = pathlib.Path(os.environ.get(
-    "JAXDIST_LLAMACPP_PYTHON",
-    pathlib.Path(__file__).parents[1] / "bench" / ".venv-llamacpp" / "bin" / "python"))
 
 
 def _tiny(**overrides: Any) -> Any:
@@ -358,57 +355,6 @@ def test_error_refused_hf_features(root: pathlib.Path, hf_model: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # The real Gemma 3 270M Q4_K_M against llama.cpp
 
-_LLAMACPP_SCRIPT = """
-import ctypes, json, sys
-import numpy as np
-import llama_cpp
-
-args = json.loads(sys.argv[1])
-out = {}
-if "texts" in args:
-    vocab = llama_cpp.Llama(model_path=args["model"], vocab_only=True, verbose=False)
-    out["ids"] = [vocab.tokenize(t.encode(), add_bos=True, special=True) for t in args["texts"]]
-    msgs = args["chat"]
-    arr = (llama_cpp.llama_chat_message * len(msgs))(*[
-        llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode())
-        for m in msgs])
-    buf = ctypes.create_string_buffer(1 << 16)
-    n = llama_cpp.llama_chat_apply_template(b"gemma", arr, len(msgs), True, buf, len(buf))
-    out["chat"] = buf.raw[:n].decode()
-if "prompts" in args:
-    # f32 KV cache, as jaxdist's (llama.cpp's default is f16); every position's logits kept.
-    # One thread: ggml's threads spin at a barrier after every op, which on a loaded 2-core
-    # machine made a 24-token run take 5 s instead of 0.5.
-    llm = llama_cpp.Llama(model_path=args["model"], n_ctx=args["n_ctx"], n_batch=args["n_ctx"],
-                          n_threads=1, logits_all=True, type_k=0, type_v=0, verbose=False)
-    out["greedy"] = []
-    for prompt in args["prompts"]:
-        llm.reset()
-        llm.eval(prompt)
-        tokens, margins = [], []
-        for _ in range(args["n_new"]):
-            z = np.asarray(llm.scores[llm.n_tokens - 1], np.float64)
-            top2 = np.sort(z)[-2:]
-            tokens.append(int(np.argmax(z)))
-            margins.append(float(top2[1] - top2[0]))
-            llm.eval([tokens[-1]])
-        out["greedy"].append({"tokens": tokens, "margins": margins,
-                              "text": llm.detokenize(tokens).decode("utf-8", "replace")})
-print(json.dumps(out))
-"""
-
-
-def _llamacpp(**args: Any) -> dict[str, Any]:
-    if not LLAMACPP.is_file():
-        pytest.skip(f"llama.cpp's Python bindings are not built at {LLAMACPP} (python "
-                    f"bench/llamacpp.py --setup-only builds them)")
-    done = subprocess.run([str(LLAMACPP), "-c", _LLAMACPP_SCRIPT, json.dumps(args)],
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, f"llama.cpp reference failed:\n{done.stderr[-3000:]}"
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
 TEXTS = ["The capital of France is", "Hello world!  Two  spaces\nnewline\n\n\ttab",
          "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
          "naïve café 日本語 😀 émoji \u200b", "   leading spaces", "x" * 40,
@@ -459,17 +405,6 @@ def real_reference(gemma3_270m: pathlib.Path, real_tokenizer: Any
     (greedy,) = _llamacpp(model=str(gemma3_270m), prompts=[prompt], n_new=REAL_NEW,
                           n_ctx=128)["greedy"]
     return prompt, greedy
-
-
-def _check_tokens(got: list[int], want: dict[str, Any], where: str) -> None:
-    tokens, margins = want["tokens"], want["margins"]
-    first_tie = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(tokens))
-    assert got[:first_tie] == tokens[:first_tie], f"{where}: {got} != llama.cpp {tokens}"
-    diff = next((i for i, (a, b) in enumerate(zip(got, tokens)) if a != b), None)
-    if diff is not None:
-        assert margins[diff] < NEAR_TIE, (f"{where}: token {diff} differs ({got[diff]} vs "
-                                          f"{tokens[diff]}) where llama.cpp's margin was "
-                                          f"{margins[diff]:.3f}")
 
 
 # Two workers in the fast tier (the real model split across processes); one in the slow.

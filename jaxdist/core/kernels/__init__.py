@@ -5,8 +5,9 @@ quantized model stays quantized in memory and decode reads the narrow bytes. The
 handlers (``ggml_matmul.cc``, built on first use by :mod:`jaxdist.core.kernels.build`) under the
 versioned target name :data:`TARGET`; exported stages reach them through
 ``lax.platform_dependent`` (:mod:`jaxdist.core.kernels.ops`), so the same artifact also runs on
-GPU/TPU workers, which dequantize in the graph instead. A third handler (``attention.cc``,
-:data:`ATTENTION_TARGET`) attends a decode step over the slot KV cache reading only the
+GPU/TPU workers, which dequantize in the graph instead. :data:`MOE_TARGET` is the same product
+for a mixture of experts' stacked expert matrices (ggml's ``mul_mat_id``). A third handler
+(``attention.cc``, :data:`ATTENTION_TARGET`) attends a decode step over the slot KV cache reading only the
 positions in use, on the same helper threads, with AVX-512F code where the CPU has it (AVX2
 otherwise); quantized stages call it too.
 
@@ -36,8 +37,9 @@ from jaxdist.core.errors import ArtifactError
 from jaxdist.core.kernels.build import KernelBuildError, build, find_ggml
 
 __all__ = ["ABI_VERSION", "ATTENTION_TARGET", "ATTENTION_V2_TARGET", "DEQUANTIZE_TARGET",
-           "DEQUANTIZE_V1_TARGET", "KERNEL_TYPES", "MATMUL_V1_TARGET", "OWN_TARGETS", "TARGET",
-           "KernelBuildError", "KernelInfo", "load", "loaded", "require", "set_isa"]
+           "DEQUANTIZE_V1_TARGET", "KERNEL_TYPES", "MATMUL_V1_TARGET", "MOE_TARGET",
+           "OWN_TARGETS", "TARGET", "KernelBuildError", "KernelInfo", "load", "loaded",
+           "require", "set_isa"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,10 @@ TARGET = "jaxdist_ggml_matmul_v2"
 ABI gets a new name, never a change."""
 MATMUL_V1_TARGET = "jaxdist_ggml_matmul_v1"
 """The matmul without the row mask: still registered for artifacts exported with it."""
+MOE_TARGET = "jaxdist_ggml_moe_matmul_v1"
+"""The quantized matmul of a mixture of experts (ggml's mul_mat_id): x (R, K), the experts'
+blocks (E, N, row_bytes) and ids (T, S) int32 give y (T, S, N), y[t, s] = x_row @ W_ids[t, s].T
+with x_row x[t] (R == T) or x[t * S + s] (R == T * S); a negative id gives zeros."""
 DEQUANTIZE_TARGET = "jaxdist_ggml_dequantize_v2"
 """GGML blocks to float32 on the CPU (the many-rows path of the matmul), after the activations
 it is for are computed (they are an operand, for ordering only)."""
@@ -60,9 +66,9 @@ ATTENTION_V2_TARGET = "jaxdist_cache_attention_v2"
 """The same with an attribute ``window`` (sliding-window attention: a query at position p sees
 the keys in (p - window, p]; 0 is full attention). Layers with a window call it."""
 
-OWN_TARGETS: frozenset[str] = frozenset({TARGET, MATMUL_V1_TARGET, DEQUANTIZE_TARGET,
-                                         DEQUANTIZE_V1_TARGET, ATTENTION_TARGET,
-                                         ATTENTION_V2_TARGET})
+OWN_TARGETS: frozenset[str] = frozenset({TARGET, MATMUL_V1_TARGET, MOE_TARGET,
+                                         DEQUANTIZE_TARGET, DEQUANTIZE_V1_TARGET,
+                                         ATTENTION_TARGET, ATTENTION_V2_TARGET})
 """Every custom call target of jaxdist's own kernels, in every ABI version it knows."""
 
 KERNEL_TYPES: tuple[str, ...] = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
@@ -129,6 +135,8 @@ def _register(threads: int) -> KernelInfo:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV2),
                                 platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_V1_TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV1),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(MOE_TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMoeMatmulV1),
                                 platform="cpu")
     jax.ffi.register_ffi_target(DEQUANTIZE_TARGET,
                                 jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV2), platform="cpu")

@@ -1,6 +1,6 @@
 // jaxdist CPU kernels, ABI version 1: y[M, N] = x[M, K] . W[N, K]^T with W in GGML blocks.
 //
-// Two XLA FFI handlers, called from exported stages through lax.platform_dependent
+// XLA FFI handlers, called from exported stages through lax.platform_dependent
 // (jaxdist/core/kernels/ops.py). W is bound exactly as the GGUF file stores it: N rows of
 // K/block_elems blocks.
 //
@@ -11,6 +11,10 @@
 //   (wide.h) where the CPU has them and the type has one, else ggml's `vec_dot`.
 //   A third operand, rows (M,) int32, skips the rows of x that are padding (zeros out);
 //   `_v1` (no rows) stays for artifacts exported before.
+// - `jaxdist_ggml_moe_matmul_v1`: the same products for a mixture of experts (like ggml's
+//   mul_mat_id): w (E, N, row_bytes) holds E experts, ids (T, S) int32 the experts each token
+//   chose; y[t, s] = x_row . W_e^T (MoeMatmul). The pairs are grouped by expert, so a chosen
+//   expert's W is read once per call for all its rows, and unchosen experts are not read.
 // - `jaxdist_ggml_dequantize_v2`: W to float32 with ggml's `to_float`, for products of many
 //   rows (prefill), which XLA's f32 dot then computes faster than row-pair dot products. It
 //   takes x too, for ordering only; `_v1` (no x) stays for artifacts exported before.
@@ -87,6 +91,14 @@ bool Supported(int type) {
   return false;
 }
 
+// moe: one work item, rows [n0, n1) of one chosen expert's matrix against the (t, s) pairs
+// [p0, p1) of the expert-sorted order, which all chose that expert.
+struct MoePart {
+  const uint8_t* w;  // the expert's matrix (N rows)
+  int64_t n0, n1;
+  int64_t p0, p1;
+};
+
 struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -94,21 +106,23 @@ struct Job {
   int64_t max_helpers = 0;
   int64_t chunks = 0;
   int64_t chunk_rows = kRowsPerChunk;  // rows of W per chunk
-  int64_t m = 0, n = 0, k = 0;
-  int64_t live = 0;  // rows of x computed (the split rule counts these)
+  int64_t n = 0, k = 0;
   const uint8_t* w = nullptr;
   size_t w_row = 0;
   const uint8_t* xq = nullptr;
   size_t xq_row = 0;
   float* y = nullptr;
-  const int32_t* rows = nullptr;      // matmul v2: rows of x to compute (nonzero); null: all
   ggml_vec_dot_t dot = nullptr;       // matmul: one (row of x, row of W) product
   ggml_to_float_t to_float = nullptr;  // dequantize: one row of W
   const jaxdist_wide::WideKernel* wide = nullptr;  // matmul on this CPU's wide vectors (wide.h)
   const uint8_t* wx = nullptr;  // x's live rows, one after another, as wide->relayout wrote them
   size_t wx_row = 0;
-  const int64_t* live_rows = nullptr;  // their row numbers in x
+  const int64_t* live_rows = nullptr;  // their rows of y (matmul: and of x)
   int64_t n_live = 0;
+  // moe: chunk c is parts[c]; live_rows are the pairs' rows of y in expert order (wx holds
+  // their activations in that order), x_rows their rows of x (xq)
+  const MoePart* parts = nullptr;
+  const int64_t* x_rows = nullptr;
   // ParallelFor: range(n0, n1) for each chunk of [0, n) (nothing above is used)
   const std::function<void(int64_t, int64_t)>* range = nullptr;
 
@@ -116,48 +130,56 @@ struct Job {
     for (;;) {
       int64_t c = next.fetch_add(1, std::memory_order_relaxed);
       if (c >= chunks) return;
+      if (parts != nullptr) {
+        const MoePart& p = parts[c];
+        Products(p.w, p.n0, p.n1, wx != nullptr ? wx + p.p0 * wx_row : nullptr, x_rows + p.p0,
+                 live_rows + p.p0, p.p1 - p.p0);
+        done.fetch_add(1, std::memory_order_release);
+        continue;
+      }
       int64_t n0 = c * chunk_rows;
       int64_t n1 = n0 + chunk_rows < n ? n0 + chunk_rows : n;
       if (range != nullptr) {
         (*range)(n0, n1);
-        done.fetch_add(1, std::memory_order_release);
-        continue;
-      }
-      if (to_float != nullptr) {
+      } else if (to_float != nullptr) {
         for (int64_t r = n0; r < n1; ++r) to_float(w + r * w_row, y + r * k, k);
-        done.fetch_add(1, std::memory_order_release);
-        continue;
-      }
-      if (wide != nullptr) {
-        // x's live rows, kMaxMulti at a time: each pass reads the chunk's rows of W once (from
-        // cache after the first), and a multi-row pass unpacks each block once for all of them
-        for (int64_t j0 = 0; j0 < n_live; j0 += jaxdist_wide::kMaxMulti) {
-          const int64_t mm = std::min(jaxdist_wide::kMaxMulti, n_live - j0);
-          float* ys[jaxdist_wide::kMaxMulti];
-          for (int64_t t = 0; t < mm; ++t) ys[t] = y + live_rows[j0 + t] * n + n0;
-          const uint8_t* xs = wx + j0 * wx_row;
-          if (mm > 1 && wide->dot_rows_multi != nullptr) {
-            wide->dot_rows_multi(k, w + n0 * w_row, w_row, n1 - n0, xs, wx_row, mm, ys);
-          } else {
-            for (int64_t t = 0; t < mm; ++t) {
-              wide->dot_rows(k, w + n0 * w_row, w_row, n1 - n0, xs + t * wx_row, ys[t]);
-            }
-          }
-        }
-        done.fetch_add(1, std::memory_order_release);
-        continue;
-      }
-      for (int64_t m0 = 0; m0 < m; m0 += kActBlock) {
-        int64_t m1 = m0 + kActBlock < m ? m0 + kActBlock : m;
-        for (int64_t r = n0; r < n1; ++r) {
-          const uint8_t* wr = w + r * w_row;
-          for (int64_t i = m0; i < m1; ++i) {
-            if (rows != nullptr && rows[i] == 0) continue;
-            dot(static_cast<int>(k), y + i * n + r, 0, wr, 0, xq + i * xq_row, 0, 1);
-          }
-        }
+      } else {
+        Products(w, n0, n1, wx, live_rows, live_rows, n_live);
       }
       done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  // Rows [n0, n1) of the matrix `wm` times m activation rows; row j's results go to y's row
+  // out[j]. The wide kernels read row j at xw + j * wx_row, ggml's vec_dot at xq + in[j] * xq_row.
+  void Products(const uint8_t* wm, int64_t n0, int64_t n1, const uint8_t* xw, const int64_t* in,
+                const int64_t* out, int64_t m) const {
+    if (wide != nullptr) {
+      // the rows kMaxMulti at a time: each pass reads the chunk's rows of W once (from cache
+      // after the first), and a multi-row pass unpacks each block once for all of them
+      for (int64_t j0 = 0; j0 < m; j0 += jaxdist_wide::kMaxMulti) {
+        const int64_t mm = std::min(jaxdist_wide::kMaxMulti, m - j0);
+        float* ys[jaxdist_wide::kMaxMulti];
+        for (int64_t t = 0; t < mm; ++t) ys[t] = y + out[j0 + t] * n + n0;
+        const uint8_t* xs = xw + j0 * wx_row;
+        if (mm > 1 && wide->dot_rows_multi != nullptr) {
+          wide->dot_rows_multi(k, wm + n0 * w_row, w_row, n1 - n0, xs, wx_row, mm, ys);
+        } else {
+          for (int64_t t = 0; t < mm; ++t) {
+            wide->dot_rows(k, wm + n0 * w_row, w_row, n1 - n0, xs + t * wx_row, ys[t]);
+          }
+        }
+      }
+      return;
+    }
+    for (int64_t j0 = 0; j0 < m; j0 += kActBlock) {
+      const int64_t j1 = j0 + kActBlock < m ? j0 + kActBlock : m;
+      for (int64_t r = n0; r < n1; ++r) {
+        const uint8_t* wr = wm + r * w_row;
+        for (int64_t j = j0; j < j1; ++j) {
+          dot(static_cast<int>(k), y + out[j] * n + r, 0, wr, 0, xq + in[j] * xq_row, 0, 1);
+        }
+      }
     }
   }
 };
@@ -330,6 +352,83 @@ ffi::Error CheckWeights(const char* target, int32_t type, int64_t k, int64_t n_r
   return ffi::Error::Success();
 }
 
+// How a call's activations meet W: ggml's dot product for the weight type, the activation type
+// (vec_dot_type) it reads and how x's rows are converted to it, and the wide kernel if any.
+struct Activations {
+  ggml_vec_dot_t dot = nullptr;
+  ggml_type vt = GGML_TYPE_F32;
+  ggml_from_float_t from_float = nullptr;  // null: x is used as is (vt is F32)
+  size_t row = 0;                          // bytes of a row in vt
+  const jaxdist_wide::WideKernel* wide = nullptr;
+  bool own_q8k = false;  // Q8_K (the K-quants' activations) by QuantizeRowQ8K, ggml's bytes
+
+  void Quantize(const float* x, uint8_t* out, int64_t k) const {
+    if (own_q8k) {
+      jaxdist_wide::QuantizeRowQ8K(x, out, k);
+    } else {
+      from_float(x, out, k);
+    }
+  }
+};
+
+ffi::Error GetActivations(const char* target, int32_t type, int64_t k, Activations* a) {
+  const ggml_type gt = static_cast<ggml_type>(type);
+  const ggml_type_traits_cpu* ct = ggml_get_type_traits_cpu(gt);
+  if (ct == nullptr || ct->vec_dot == nullptr) {
+    return Fail(target, std::string("ggml has no CPU dot product for ") + ggml_type_name(gt));
+  }
+  a->dot = ct->vec_dot;
+  a->vt = ct->vec_dot_type;
+  const ggml_type_traits* vtt = ggml_get_type_traits(a->vt);
+  if (k % vtt->blck_size != 0) {
+    return Fail(target, "K = " + std::to_string(k) + " is not a multiple of the " +
+                            ggml_type_name(a->vt) + " block (" +
+                            std::to_string(vtt->blck_size) + ")");
+  }
+  a->row = static_cast<size_t>(k) * sizeof(float);
+  if (a->vt == GGML_TYPE_F32) return ffi::Error::Success();
+  // The wide kernels read x once more rearranged (a few KB per row; wide.h).
+  a->wide = WideFor(type);
+  const ggml_type_traits_cpu* vct = ggml_get_type_traits_cpu(a->vt);
+  if (vct == nullptr || vct->from_float == nullptr) {
+    return Fail(target, std::string("ggml cannot convert activations to ") +
+                            ggml_type_name(a->vt));
+  }
+  a->from_float = vct->from_float;
+  a->row = static_cast<size_t>(k / vtt->blck_size) * vtt->type_size;
+  // ggml's from_float for Q8_K is its scalar reference in the wheel; ours writes the same bytes.
+  a->own_q8k = a->wide != nullptr && a->vt == GGML_TYPE_Q8_K;
+  return ffi::Error::Success();
+}
+
+// `bytes` of `buf`, from a 64-byte boundary (the wide kernels' rearranged rows).
+uint8_t* Aligned64(std::vector<uint8_t>& buf, size_t bytes) {
+  buf.resize(bytes + 64);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + ((64 - at % 64) % 64);
+}
+
+// Rows of W per chunk when `live` rows of x meet an (n, w_row) matrix.
+int64_t ChunkRows(int64_t n, size_t w_row, int64_t live, bool wide) {
+  if (live == 1) {
+    // One row streams W from memory: each thread's chunks should be long runs of W, so the
+    // hardware prefetchers keep streaming: 16-row chunks taken in turn by two threads cost a
+    // 1B model's decode 25% (bench/NOTES.md, "Decode on a ~1B model"). Two chunks per thread
+    // still let the caller take over the chunks of a helper that starts late.
+    const int64_t per = (n + 2 * Threads() - 1) / (2 * Threads());
+    return std::max(kRowsPerChunk, (per + kRowsPerChunk - 1) / kRowsPerChunk * kRowsPerChunk);
+  }
+  if (wide) {
+    // Several rows: each chunk of W is read once and stays in cache while every group of x's
+    // rows passes over it, so x (MBs for a long prefill chunk) is re-read once per chunk; a
+    // chunk of about kChunkBytes keeps that traffic small and W within a core's L2.
+    const int64_t rows_fit = kChunkBytes / static_cast<int64_t>(w_row);
+    const int64_t most = std::max<int64_t>(1, n / (2 * Threads()));  // two chunks per thread
+    return std::max(kRowsPerChunk, std::min(rows_fit, most) / kRowsPerChunk * kRowsPerChunk);
+  }
+  return kRowsPerChunk;
+}
+
 // `rows` (M,) or null: a zero entry skips that row of x, whose row of y is zeros (a padded
 // token of a prefill chunk, an idle slot of a batch).
 ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
@@ -350,114 +449,196 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                              "), expected (" + std::to_string(m) + ", " + std::to_string(n) +
                              ")");
   }
-  const ggml_type gt = static_cast<ggml_type>(type);
-  const ggml_type_traits_cpu* ct = ggml_get_type_traits_cpu(gt);
-  if (ct == nullptr || ct->vec_dot == nullptr) {
-    return Fail(kTarget, std::string("ggml has no CPU dot product for ") + ggml_type_name(gt));
-  }
-  const ggml_type vt = ct->vec_dot_type;
-  const ggml_type_traits* vtt = ggml_get_type_traits(vt);
-  if (k % vtt->blck_size != 0) {
-    return Fail(kTarget, "K = " + std::to_string(k) + " is not a multiple of the " +
-                             ggml_type_name(vt) + " block (" +
-                             std::to_string(vtt->blck_size) + ")");
-  }
+  Activations act;
+  if (ffi::Error e = GetActivations(kTarget, type, k, &act); e.failure()) return e;
   if (m == 0 || n == 0) return ffi::Error::Success();
 
-  // The wide kernels read x once more rearranged (a few KB per row; wide.h).
-  const jaxdist_wide::WideKernel* wide = vt != GGML_TYPE_F32 ? WideFor(type) : nullptr;
+  // x's live rows; the others' rows of y are zeros.
+  thread_local std::vector<int64_t> live_rows;  // reused across calls on this thread
+  live_rows.clear();
+  for (int64_t i = 0; i < m; ++i) {
+    if (rows == nullptr || rows[i] != 0) {
+      live_rows.push_back(i);
+    } else {
+      std::fill(y->typed_data() + i * n, y->typed_data() + (i + 1) * n, 0.0f);
+    }
+  }
+  const int64_t live = static_cast<int64_t>(live_rows.size());
+  if (live == 0) return ffi::Error::Success();
 
   // x in the dot product's activation type (or as is, when that is F32).
-  thread_local std::vector<uint8_t> xq_buf;  // reused across calls on this thread
+  thread_local std::vector<uint8_t> xq_buf;
   const uint8_t* xq = reinterpret_cast<const uint8_t*>(x.typed_data());
-  size_t xq_row = static_cast<size_t>(k) * sizeof(float);
-  if (vt != GGML_TYPE_F32) {
-    const ggml_type_traits_cpu* vct = ggml_get_type_traits_cpu(vt);
-    if (vct == nullptr || vct->from_float == nullptr) {
-      return Fail(kTarget, std::string("ggml cannot convert activations to ") +
-                               ggml_type_name(vt));
-    }
-    xq_row = static_cast<size_t>(k / vtt->blck_size) * vtt->type_size;
-    xq_buf.resize(xq_row * static_cast<size_t>(m));
-    // Q8_K (the K-quants' activations): the same bytes as ggml's scalar reference, vectorized.
-    const bool own_q8k = wide != nullptr && vt == GGML_TYPE_Q8_K;
-    for (int64_t i = 0; i < m; ++i) {
-      if (rows != nullptr && rows[i] == 0) continue;
-      if (own_q8k) {
-        jaxdist_wide::QuantizeRowQ8K(x.typed_data() + i * k, xq_buf.data() + i * xq_row, k);
-      } else {
-        vct->from_float(x.typed_data() + i * k, xq_buf.data() + i * xq_row, k);
-      }
+  if (act.from_float != nullptr) {
+    xq_buf.resize(act.row * static_cast<size_t>(m));
+    for (int64_t i : live_rows) {
+      act.Quantize(x.typed_data() + i * k, xq_buf.data() + i * act.row, k);
     }
     xq = xq_buf.data();
   }
-  int64_t live = m;
-  if (rows != nullptr) {
-    live = 0;
-    for (int64_t i = 0; i < m; ++i) {
-      if (rows[i] != 0) {
-        ++live;
-      } else {
-        std::fill(y->typed_data() + i * n, y->typed_data() + (i + 1) * n, 0.0f);
-      }
-    }
-    if (live == 0) return ffi::Error::Success();
-  }
 
   thread_local std::vector<uint8_t> wx_buf;
-  thread_local std::vector<int64_t> live_rows;
+  const jaxdist_wide::WideKernel* wide = act.wide;
   uint8_t* wx = nullptr;
   size_t wx_row = 0;
-  live_rows.clear();
   if (wide != nullptr) {
     wx_row = wide->row_bytes(k);
-    wx_buf.resize(wx_row * static_cast<size_t>(m) + 64);
-    const uintptr_t at = reinterpret_cast<uintptr_t>(wx_buf.data());
-    wx = wx_buf.data() + ((64 - at % 64) % 64);
-    for (int64_t i = 0; i < m; ++i) {
-      if (rows != nullptr && rows[i] == 0) continue;
-      wide->relayout(xq + i * xq_row, wx + live_rows.size() * wx_row, k);
-      live_rows.push_back(i);
+    wx = Aligned64(wx_buf, wx_row * static_cast<size_t>(live));
+    for (int64_t j = 0; j < live; ++j) {
+      wide->relayout(xq + live_rows[j] * act.row, wx + j * wx_row, k);
     }
   }
 
   auto job = std::make_shared<Job>();
-  if (live == 1) {
-    // One row streams W from memory: each thread's chunks should be long runs of W, so the
-    // hardware prefetchers keep streaming: 16-row chunks taken in turn by two threads cost a
-    // 1B model's decode 25% (bench/NOTES.md, "Decode on a ~1B model"). Two chunks per thread
-    // still let the caller take over the chunks of a helper that starts late.
-    const int64_t per = (n + 2 * Threads() - 1) / (2 * Threads());
-    job->chunk_rows = std::max(kRowsPerChunk, (per + kRowsPerChunk - 1) / kRowsPerChunk *
-                                                  kRowsPerChunk);
-  } else if (wide != nullptr) {
-    // Several rows: each chunk of W is read once and stays in cache while every group of x's
-    // rows passes over it, so x (MBs for a long prefill chunk) is re-read once per chunk; a
-    // chunk of about kChunkBytes keeps that traffic small and W within a core's L2.
-    const int64_t rows_fit = kChunkBytes / static_cast<int64_t>(w_row);
-    const int64_t most = std::max<int64_t>(1, n / (2 * Threads()));  // two chunks per thread
-    job->chunk_rows = std::max(kRowsPerChunk, std::min(rows_fit, most) / kRowsPerChunk *
-                                                  kRowsPerChunk);
-  }
+  job->chunk_rows = ChunkRows(n, w_row, live, wide != nullptr);
   job->chunks = (n + job->chunk_rows - 1) / job->chunk_rows;
   job->wide = wide;
   job->wx = wx;
   job->wx_row = wx_row;
   job->live_rows = live_rows.data();
-  job->n_live = static_cast<int64_t>(live_rows.size());
-  job->m = m;
+  job->n_live = live;
   job->n = n;
   job->k = k;
   job->w = w.typed_data();
   job->w_row = w_row;
   job->xq = xq;
-  job->xq_row = xq_row;
+  job->xq_row = act.row;
   job->y = y->typed_data();
-  job->dot = ct->vec_dot;
-  job->rows = rows;
-  job->live = live;
+  job->dot = act.dot;
   const int64_t bytes = n * static_cast<int64_t>(w_row);
   Run(job, live > 1 ? live * n * k >= kMinSplitWorkRows : bytes >= kMinSplitBytes);
+  return ffi::Error::Success();
+}
+
+// Mixture of experts: y[t, s] = x_row . W_e^T for e = ids[t, s], W (E, N, row_bytes) the
+// experts' matrices as the GGUF stores them. x_row is x[t] when x has T rows (gate/up: a token
+// meets each of its experts) or x[t * S + s] when it has T * S (down: one row per chosen
+// expert). A negative id gives a row of zeros. The pairs are sorted by expert (counting sort),
+// so each chosen expert's rows of W are read once for all the rows that chose it, S at a time
+// through the wide multi-row products; one job's work items are (chosen expert, chunk of its N
+// rows), so a decode step's few experts split across threads, and unchosen experts are never
+// read. Each x row is quantized at most once, as MatmulRows does: the same results per row.
+ffi::Error MoeMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> ids,
+                     ffi::ResultBuffer<ffi::F32> y, int32_t type) {
+  constexpr const char* kTarget = "jaxdist_ggml_moe_matmul_v1";
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto id = ids.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || id.size() != 2 || yd.size() != 3) {
+    return Fail(kTarget, "expected x (R, K), w (E, N, row_bytes), ids (T, S) and y (T, S, N), "
+                         "found ranks " + std::to_string(xd.size()) + ", " +
+                             std::to_string(wd.size()) + ", " + std::to_string(id.size()) +
+                             ", " + std::to_string(yd.size()));
+  }
+  const int64_t r_x = xd[0], k = xd[1], n_e = wd[0], n = wd[1], t_n = id[0], s_n = id[1];
+  size_t w_row = 0;
+  if (ffi::Error e = CheckWeights(kTarget, type, k, n, wd[2], &w_row); e.failure()) return e;
+  if (yd[0] != t_n || yd[1] != s_n || yd[2] != n) {
+    return Fail(kTarget, "y is (" + std::to_string(yd[0]) + ", " + std::to_string(yd[1]) +
+                             ", " + std::to_string(yd[2]) + "), expected (" +
+                             std::to_string(t_n) + ", " + std::to_string(s_n) + ", " +
+                             std::to_string(n) + ")");
+  }
+  const int64_t pairs = t_n * s_n;
+  if (r_x != t_n && r_x != pairs) {
+    return Fail(kTarget, "x has " + std::to_string(r_x) + " rows, expected T = " +
+                             std::to_string(t_n) + " (one per token) or T * S = " +
+                             std::to_string(pairs) + " (one per chosen expert)");
+  }
+  Activations act;
+  if (ffi::Error e = GetActivations(kTarget, type, k, &act); e.failure()) return e;
+
+  // Counting sort of the (t, s) pairs by expert: start[e] .. start[e + 1] in the sorted order.
+  const int32_t* idv = ids.typed_data();
+  thread_local std::vector<int64_t> start;  // reused across calls on this thread
+  start.assign(static_cast<size_t>(n_e) + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (idv[p] >= n_e) {
+      return Fail(kTarget, "ids[" + std::to_string(p / s_n) + ", " + std::to_string(p % s_n) +
+                               "] = " + std::to_string(idv[p]) + " is not an expert: w holds " +
+                               std::to_string(n_e) + " (E)");
+    }
+    if (idv[p] >= 0) ++start[idv[p] + 1];
+  }
+  for (int64_t e = 0; e < n_e; ++e) start[e + 1] += start[e];
+  const int64_t live = start[n_e];
+  thread_local std::vector<int64_t> y_rows, x_rows, fill;
+  y_rows.resize(live);
+  x_rows.resize(live);
+  fill.assign(start.begin(), start.end() - 1);
+  float* yv = y->typed_data();
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (idv[p] < 0) {
+      std::fill(yv + p * n, yv + (p + 1) * n, 0.0f);
+      continue;
+    }
+    const int64_t at = fill[idv[p]]++;
+    y_rows[at] = p;
+    x_rows[at] = r_x == pairs ? p : p / s_n;
+  }
+  if (live == 0 || n == 0) return ffi::Error::Success();
+
+  // The x rows some pair uses, each quantized once.
+  thread_local std::vector<uint8_t> xq_buf, used;
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(x.typed_data());
+  if (act.from_float != nullptr) {
+    xq_buf.resize(act.row * static_cast<size_t>(r_x));
+    used.assign(static_cast<size_t>(r_x), 0);
+    for (int64_t i : x_rows) {
+      if (used[i]) continue;
+      used[i] = 1;
+      act.Quantize(x.typed_data() + i * k, xq_buf.data() + i * act.row, k);
+    }
+    xq = xq_buf.data();
+  }
+  // The wide kernels take each expert's rows one after another: rearranged in sorted order (a
+  // token's row once per expert it chose).
+  thread_local std::vector<uint8_t> wx_buf;
+  uint8_t* wx = nullptr;
+  size_t wx_row = 0;
+  if (act.wide != nullptr) {
+    wx_row = act.wide->row_bytes(k);
+    wx = Aligned64(wx_buf, wx_row * static_cast<size_t>(live));
+    for (int64_t j = 0; j < live; ++j) {
+      act.wide->relayout(xq + x_rows[j] * act.row, wx + j * wx_row, k);
+    }
+  }
+
+  // Work items: each chosen expert's N rows in chunks sized as MatmulRows sizes them for its
+  // number of rows.
+  thread_local std::vector<MoePart> parts;
+  parts.clear();
+  int64_t bytes = 0;
+  bool one_each = true;  // every chosen expert has one row: bound by reading W (decode)
+  for (int64_t e = 0; e < n_e; ++e) {
+    const int64_t rows_e = start[e + 1] - start[e];
+    if (rows_e == 0) continue;
+    const uint8_t* we = w.typed_data() + e * n * static_cast<int64_t>(w_row);
+    const int64_t cr = ChunkRows(n, w_row, rows_e, act.wide != nullptr);
+    for (int64_t n0 = 0; n0 < n; n0 += cr) {
+      parts.push_back({we, n0, std::min(n, n0 + cr), start[e], start[e + 1]});
+    }
+    bytes += n * static_cast<int64_t>(w_row);
+    one_each = one_each && rows_e == 1;
+  }
+
+  auto job = std::make_shared<Job>();
+  job->parts = parts.data();
+  job->chunks = static_cast<int64_t>(parts.size());
+  job->wide = act.wide;
+  job->wx = wx;
+  job->wx_row = wx_row;
+  job->live_rows = y_rows.data();
+  job->x_rows = x_rows.data();
+  job->n = n;
+  job->k = k;
+  job->w_row = w_row;
+  job->xq = xq;
+  job->xq_row = act.row;
+  job->y = yv;
+  job->dot = act.dot;
+  Run(job, one_each ? bytes >= kMinSplitBytes : live * n * k >= kMinSplitWorkRows);
   return ffi::Error::Success();
 }
 
@@ -572,6 +753,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV1, Matmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("ggml_type"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV2, MatmulMasked,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("ggml_type"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMoeMatmulV1, MoeMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()

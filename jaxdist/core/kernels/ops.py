@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -38,11 +38,11 @@ from jax import lax
 
 from jaxdist.core.errors import SpecError
 from jaxdist.core.kernels import (ATTENTION_TARGET, ATTENTION_V2_TARGET, DEQUANTIZE_TARGET,
-                                   KERNEL_TYPES, TARGET)
+                                   KERNEL_TYPES, MOE_TARGET, TARGET)
 from jaxdist.core.quant import block_layout, dequantize_rows
 
 __all__ = ["ATTENTION_MAX_QUERIES", "KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS_WIDE", "QTensor",
-           "WIDE_TYPES", "max_rows", "cache_attention",
+           "WIDE_TYPES", "max_rows", "cache_attention", "expert_linear",
            "exporting_for_kernels", "linear", "quant_matmul", "take_rows"]
 
 Array = Any
@@ -91,10 +91,12 @@ def exporting_for_kernels(enabled: bool = True) -> Iterator[None]:
 
 @dataclasses.dataclass(frozen=True)
 class QTensor:
-    """A matrix held as GGML blocks, as a unit sees it.
+    """A matrix (or a stack of them) held as GGML blocks, as a unit sees it.
 
     Attributes:
-        blocks: uint8 ``(rows, row_bytes)``, the stored rows (GGUF's ``ne1`` rows of ``ne0``).
+        blocks: uint8 ``(rows, row_bytes)``, the stored rows (GGUF's ``ne1`` rows of ``ne0``);
+            or ``(E, rows, row_bytes)``, the stacked matrices of a Mixture-of-Experts layer
+            (GGUF's ``ffn_*_exps``), multiplied by :func:`expert_linear` and never transposed.
         qtype: the GGML type name, e.g. ``"Q4_K"``.
         transposed: the unit means the transpose of the stored matrix: a projection weight
             stored ``(out, in)`` and used as ``x @ W`` with ``W`` ``(in, out)``.
@@ -105,16 +107,16 @@ class QTensor:
     transposed: bool = False
 
     @property
-    def stored_shape(self) -> tuple[int, int]:
-        """The stored matrix's element shape ``(rows, cols)``."""
+    def stored_shape(self) -> tuple[int, ...]:
+        """The stored element shape ``(rows, cols)`` (``(E, rows, cols)`` for a stack)."""
         elems, nbytes = block_layout(self.qtype)
-        rows, row_bytes = self.blocks.shape
-        return rows, int(row_bytes) // nbytes * elems
+        *lead, row_bytes = self.blocks.shape
+        return (*(int(d) for d in lead), int(row_bytes) // nbytes * elems)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        r, c = self.stored_shape
-        return (c, r) if self.transposed else (r, c)
+    def shape(self) -> tuple[int, ...]:
+        stored = self.stored_shape
+        return stored[::-1] if self.transposed else stored
 
     @property
     def T(self) -> QTensor:  # noqa: N802 - mirrors ndarray.T
@@ -253,3 +255,137 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: 
         return lax.cond(long, portable, kernel, *a)
 
     return lax.platform_dependent(*args, cpu=cpu, default=portable)
+
+
+def _expert_rows(x: Array, slots: int) -> Array:
+    """``x`` (T, K) or (T, S, K) as one row per (token, slot): (T, S, K)."""
+    return x if x.ndim == 3 else jnp.broadcast_to(x[:, None, :], (x.shape[0], slots, x.shape[1]))
+
+
+def _experts_gathered(x: Array, w: Array | QTensor, ids: Array) -> Array:
+    """Each (token, slot)'s own expert matrix gathered, then multiplied: reads only the chosen
+    experts' bytes (a decode step's few rows)."""
+    t, s = ids.shape
+    safe = jnp.clip(ids, 0, None)  # -1 (skipped) reads expert 0; the caller ignores the row
+    if isinstance(w, QTensor):
+        chosen = dequantize_rows(w.blocks[safe], w.qtype, xp=jnp)  # (T, S, N, K) float32
+    else:
+        chosen = w[safe]
+    xr = _expert_rows(x, s).astype(chosen.dtype)
+    return jnp.einsum("tsk,tsnk->tsn", xr, chosen, preferred_element_type=jnp.float32)
+
+
+def _experts_looped(x: Array, w: Array | QTensor, ids: Array) -> Array:
+    """Expert by expert (a scan), each multiplying every row and kept where it was chosen; an
+    expert no row chose is skipped (its bytes are not read). For many rows (a prefill), where
+    gathering a matrix per row would copy more than the whole stack."""
+    t, s = ids.shape
+    n_experts = int(w.blocks.shape[0] if isinstance(w, QTensor) else w.shape[0])
+    xr = _expert_rows(x, s)
+
+    def one(acc: Array, e: Array) -> tuple[Array, None]:
+        def product(acc: Array) -> Array:
+            if isinstance(w, QTensor):
+                we = dequantize_rows(lax.dynamic_index_in_dim(w.blocks, e, keepdims=False),
+                                     w.qtype, xp=jnp)
+            else:
+                we = lax.dynamic_index_in_dim(w, e, keepdims=False)
+            y = jnp.einsum("tsk,nk->tsn", xr.astype(we.dtype), we,
+                           preferred_element_type=jnp.float32)
+            return jnp.where((ids == e)[..., None], y, acc)
+
+        return lax.cond(jnp.any(ids == e), product, lambda a: a, acc), None
+
+    n = int(w.blocks.shape[1] if isinstance(w, QTensor) else w.shape[1])
+    acc, _ = lax.scan(one, jnp.zeros((t, s, n), jnp.float32), jnp.arange(n_experts))
+    return acc
+
+
+def _experts_listed(x: Array, ws: Sequence[Array], ids: Array) -> Array:
+    """Experts bound one array each (a Hugging Face checkpoint's ``experts.{j}`` tensors):
+    each multiplies every row where some row chose it, and is skipped (not read) otherwise."""
+    t, s = ids.shape
+    xr = _expert_rows(x, s)
+    acc = jnp.zeros((t, s, int(ws[0].shape[0])), jnp.float32)
+    for e, we in enumerate(ws):
+        def product(acc: Array, we: Array = we, e: int = e) -> Array:
+            y = jnp.einsum("tsk,nk->tsn", xr.astype(we.dtype), we,
+                           preferred_element_type=jnp.float32)
+            return jnp.where((ids == e)[..., None], y, acc)
+
+        acc = lax.cond(jnp.any(ids == e), product, lambda a: a, acc)
+    return acc
+
+
+def _experts_portable(x: Array, w: Array | QTensor, ids: Array) -> Array:
+    n_experts = int(w.blocks.shape[0] if isinstance(w, QTensor) else w.shape[0])
+    # Gathering copies one matrix per (token, slot): cheaper than the loop while they number
+    # no more than the experts (a constant once a bucket compiles: the batch may be symbolic).
+    few = jnp.asarray(ids.shape[0] * ids.shape[1]) <= n_experts
+    return lax.cond(few, lambda: _experts_gathered(x, w, ids),
+                    lambda: _experts_looped(x, w, ids))
+
+
+def expert_linear(x: Array, w: Array | QTensor | Sequence[Array], ids: Array,
+                  rows: Array | None = None) -> Array:
+    """The products of a Mixture-of-Experts layer: ``y[t, s] = x[t] @ W[ids[t, s]].T``.
+
+    Args:
+        x: ``(T, K)``, each token's row multiplied by each of its experts (gate, up), or
+            ``(T, S, K)``, one row per chosen expert (down).
+        w: the stacked expert matrices as stored, ``(E, N, K)`` (each ``(out, in)``): a float
+            array, or a :class:`QTensor` of blocks ``(E, N, row_bytes)`` (GGUF ``ffn_*_exps``);
+            or a sequence of E float ``(N, K)`` arrays, one per expert.
+        ids: ``(T, S)`` int32, the experts each token chose, in ``[0, E)``.
+        rows: ``(T,)`` bool or int, the tokens that matter (as for :func:`quant_matmul`); the
+            others' results are zeros on the CPU kernel and computed as usual elsewhere, so a
+            caller must ignore them.
+
+    Returns:
+        ``(T, S, N)`` float32.
+
+    Packed blocks lower to ``platform_dependent(cpu=<MOE_TARGET>, default=<portable>)``: the CPU
+    kernel reads only the chosen experts' blocks, each once for all the rows that chose it
+    (ggml's ``mul_mat_id``). The portable form (float weights on every platform, packed ones
+    off the CPU) gathers each row's expert matrices for a few rows and otherwise loops over
+    the experts, skipping those no row chose; both read no unchosen expert.
+
+    Raises:
+        SpecError: shapes that disagree, or a GGML type without a kernel.
+    """
+    t, s = ids.shape  # t may be symbolic (a stage's batch)
+    if isinstance(w, Sequence):  # one array per expert (arrays are no Sequence)
+        shapes = {tuple(int(d) for d in we.shape) for we in w}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise SpecError(f"expert_linear: expected E matrices (N, K) of one shape, found "
+                            f"{sorted(shapes)}")
+        (_, k), = shapes
+        if int(x.shape[-1]) != k:
+            raise SpecError(f"expert_linear: x has {x.shape[-1]} features, the experts {k}")
+        return _experts_listed(x, w, ids.astype(jnp.int32))
+    stored = w.stored_shape if isinstance(w, QTensor) else tuple(int(d) for d in w.shape)
+    if len(stored) != 3 or (isinstance(w, QTensor) and w.transposed):
+        raise SpecError(f"expert_linear: expected stacked expert matrices (E, N, K) as stored, "
+                        f"found shape {stored}")
+    k = stored[2]
+    if int(x.shape[-1]) != k or x.ndim not in (2, 3) or (x.ndim == 3 and int(x.shape[1]) != s):
+        raise SpecError(f"expert_linear: x has shape {tuple(x.shape)}, expected (T, {k}) or "
+                        f"(T, {s}, {k}) for ids (T, {s}) and experts of {k} inputs")
+    ids = ids.astype(jnp.int32)
+    if not isinstance(w, QTensor):
+        return _experts_portable(x, w, ids)
+    if w.qtype not in KERNEL_TYPES:
+        raise SpecError(f"expert_linear: GGML type {w.qtype!r} has no kernel; expected one of "
+                        f"{', '.join(KERNEL_TYPES)} (bind other types dequantized)")
+    x2 = x.astype(jnp.float32).reshape((-1, k))
+    kernel_ids = ids if rows is None else jnp.where(
+        jnp.asarray(rows).reshape((-1, 1)) != 0, ids, -1)
+
+    def cpu(x2: Array, blocks: Array, i: Array) -> Array:
+        call = jax.ffi.ffi_call(MOE_TARGET, jax.ShapeDtypeStruct((t, s, stored[1]), jnp.float32))
+        return call(x2, blocks, i, ggml_type=np.int32(GGMLQuantizationType[w.qtype].value))
+
+    def default(x2: Array, blocks: Array, i: Array) -> Array:
+        return _experts_portable(x2.reshape(x.shape), dataclasses.replace(w, blocks=blocks), ids)
+
+    return lax.platform_dependent(x2, w.blocks, kernel_ids, cpu=cpu, default=default)
