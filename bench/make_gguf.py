@@ -20,9 +20,25 @@ Mixes (``--quant``):
 * ``BF16``: every matrix bfloat16 (normal, scaled by 1/sqrt(in)): the dense model of the GPU
   benchmark (bench/gpu.py), bound as bfloat16 or float32.
 
+**A Mixture-of-Experts model** (``--moe``, :class:`MoeShape`): Qwen3-30B-A3B's layout scaled
+down, in the GGUF form llama.cpp reads as ``qwen3moe`` (its ``src/models/qwen3moe.cpp``): hidden
+1024, 8 layers, 16 heads of 64, 4 KV heads, per-head RMS norms on q and k
+(``attn_q_norm``/``attn_k_norm``), and in place of the dense FFN a router
+``blk.N.ffn_gate_inp.weight`` (float32, numpy shape (E, hidden)) over E = 32 experts of FFN 512,
+8 used per token (softmax over the router's logits, the top 8 renormalised: llama.cpp's
+``build_moe_ffn`` for this arch), stacked per layer as ``ffn_gate_exps``/``ffn_up_exps`` (numpy
+(E, 512, hidden)) and ``ffn_down_exps`` (numpy (E, hidden, 512)). Keys: the usual
+``qwen3moe.*`` ones plus ``expert_count``, ``expert_used_count`` and
+``expert_feed_forward_length`` (and ``feed_forward_length`` = used experts x 512, as Qwen3's
+converter writes 8 x 768 = 6144 for the 30B). Every matrix and expert stack Q4_0 (the stacks'
+blocks run along each expert's rows, as llama.cpp quantizes them), the token embedding Q4_0, the
+LM head Q6_K (the ``Q4_0`` mix above), norms and router float32. 0.52B parameters, 0.17B of them
+used per token; 311 MB. Same SmolLM2 tokenizer.
+
 Usage::
 
     python bench/make_gguf.py OUT.gguf [--quant Q4_0|Q4_K_M|Q4_1] [--layers 16] [--hidden 2048]
+    python bench/make_gguf.py OUT.gguf --moe [--layers 8] [--hidden 1024] [--experts 32]
 
 The file is written only when it is missing or was made with other settings (a sidecar
 ``OUT.gguf.json`` records them); about 520 MB for Q4_0, 2 to 10 s.
@@ -59,13 +75,56 @@ class Shape:
         return self.layers * per_layer + 2 * self.vocab * h + h
 
 
+@dataclass(frozen=True)
+class MoeShape:
+    """A GGUF ``qwen3moe`` model: Qwen3-30B-A3B's layout (48 layers, hidden 2048, 32 heads of
+    128, 4 KV heads, 128 experts of FFN 768, 8 used) scaled down to about 0.5B parameters."""
+
+    hidden: int = 1024
+    layers: int = 8
+    heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+    experts: int = 32
+    experts_used: int = 8
+    expert_ffn: int = 512
+    vocab: int = 49152
+    quant: str = "Q4_0"
+    arch: str = "qwen3moe"
+
+    def _attn(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 2 * self.head_dim + 2 * self.hidden
+
+    @property
+    def params(self) -> int:
+        per_layer = (self._attn() + self.experts * self.hidden
+                     + 3 * self.experts * self.expert_ffn * self.hidden)
+        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward pass uses (its embedding row, not the table)."""
+        per_layer = (self._attn() + self.experts * self.hidden
+                     + 3 * self.experts_used * self.expert_ffn * self.hidden)
+        return self.layers * per_layer + (self.vocab + 2) * self.hidden
+
+
 # Byte offsets of the float16 scales in each block type (d, and dmin where the type has one);
 # every other byte of a block is quantized data or packed sub-scales, valid whatever its value.
 _F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
-def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
-    """(rows, row_bytes) uint8: random blocks of ``qtype`` with small finite scales."""
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str,
+                  signed: bool = False) -> np.ndarray:
+    """(rows, row_bytes) uint8: random blocks of ``qtype`` with small finite scales.
+
+    Random codes are not centred (Q4_0's ``q - 8`` for uniform ``q`` in 0..15 averages -0.5), so
+    every matrix has a mean part that maps the all-ones direction onto itself, and through the
+    layers it takes over: greedy decoding then emits one token forever. ``signed`` gives each
+    block's scales a random sign (as llama.cpp's own Q4_0 quantizer does: ``d = max / -8``),
+    which cancels that mean; the dense models keep their unsigned scales (their files stay as
+    written)."""
     import gguf
 
     if qtype == "BF16":
@@ -82,8 +141,9 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) ->
     scale = 1.0 / (np.sqrt(cols) * (8.0 if qtype != "Q8_0" else 64.0))
     if qtype in ("Q4_K", "Q6_K"):
         scale /= 8.0  # the K-quants multiply d by 6-bit (Q4_K) or int8 (Q6_K) sub-scales
+    sign = rng.choice(np.array([-1.0, 1.0]), size=blocks.shape[0]) if signed else 1.0
     for off in _F16_FIELDS[qtype]:
-        d = (scale * rng.uniform(0.5, 1.5, size=blocks.shape[0])).astype(np.float16)
+        d = (sign * scale * rng.uniform(0.5, 1.5, size=blocks.shape[0])).astype(np.float16)
         blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
@@ -119,17 +179,38 @@ def _copy_tokenizer(writer: Any) -> None:
             writer.add_uint32(key, int(value))
 
 
-def write(path: pathlib.Path, shape: Shape) -> pathlib.Path:
+def write(path: pathlib.Path, shape: Shape | MoeShape) -> pathlib.Path:
     """Write the model to ``path`` unless the file there was made with the same settings."""
     import gguf
 
     sidecar = path.with_name(path.name + ".json")
-    want = {"shape": asdict(shape), "seed": SEED, "version": 1}
+    # version 2: the MoE model's blocks with signed scales (the dense models' files stay 1)
+    want = {"shape": asdict(shape), "seed": SEED,
+            "version": 2 if isinstance(shape, MoeShape) else 1}
     if path.exists() and sidecar.exists() and json.loads(sidecar.read_text()) == want:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(SEED)
-    w = gguf.GGUFWriter(str(path), "llama")
+    if isinstance(shape, MoeShape):
+        w = gguf.GGUFWriter(str(path), shape.arch)
+        _moe_model(w, rng, shape)
+    else:
+        w = gguf.GGUFWriter(str(path), "llama")
+        _llama_model(w, rng, shape)
+    tmp = path.with_name(path.name + ".tmp")
+    w.path = tmp  # type: ignore[assignment]
+    w.write_header_to_file(tmp)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    tmp.replace(path)
+    sidecar.write_text(json.dumps(want))
+    return path
+
+
+def _llama_model(w: Any, rng: np.random.Generator, shape: Shape) -> None:
+    import gguf
+
     h, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
     w.add_name(f"jaxdist bench random llama {shape.params / 1e9:.2f}B {shape.quant}")
     w.add_block_count(shape.layers)
@@ -167,28 +248,90 @@ def write(path: pathlib.Path, shape: Shape) -> pathlib.Path:
         mat(f"blk.{i}.ffn_down.weight", h, shape.ffn, t["ffn_down"])
     norm("output_norm.weight")
     mat("output.weight", shape.vocab, h, head)
-    tmp = path.with_name(path.name + ".tmp")
-    w.path = tmp  # type: ignore[assignment]
-    w.write_header_to_file(tmp)
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=False)
-    w.close()
-    tmp.replace(path)
-    sidecar.write_text(json.dumps(want))
-    return path
+
+
+def _moe_model(w: Any, rng: np.random.Generator, shape: MoeShape) -> None:
+    """The tensors and keys llama.cpp's ``qwen3moe`` loader asks for (no dense FFN)."""
+    import gguf
+
+    if shape.quant != "Q4_0":
+        raise ValueError(f"the MoE model is written as Q4_0 only, not {shape.quant}")
+    h, hd, e, f = shape.hidden, shape.head_dim, shape.experts, shape.expert_ffn
+    q, kv = shape.heads * hd, shape.kv_heads * hd
+    w.add_name(f"jaxdist bench random qwen3moe {shape.params / 1e9:.2f}B "
+               f"(A{shape.active_params / 1e9:.2f}B) {shape.quant}")
+    w.add_block_count(shape.layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(shape.experts_used * f)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(e)
+    w.add_expert_used_count(shape.experts_used)
+    w.add_expert_feed_forward_length(f)
+    w.add_vocab_size(shape.vocab)
+    _copy_tokenizer(w)
+
+    def mat(name: str, rows: int, cols: int, qtype: str = "Q4_0", stack: int = 0) -> None:
+        """A (rows, cols) matrix, or ``stack`` of them (one per expert, numpy (stack, rows,
+        cols)): quantized blocks along each row."""
+        t = gguf.GGMLQuantizationType[qtype]
+        blocks = random_blocks(rng, max(stack, 1) * rows, cols, qtype, signed=True)
+        w.add_tensor(name, blocks.reshape(stack, rows, -1) if stack else blocks, raw_dtype=t)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, rng.uniform(0.8, 1.2, size=n).astype(np.float32))
+
+    mat("token_embd.weight", shape.vocab, h)
+    for i in range(shape.layers):
+        norm(f"blk.{i}.attn_norm.weight", h)
+        mat(f"blk.{i}.attn_q.weight", q, h)
+        mat(f"blk.{i}.attn_k.weight", kv, h)
+        mat(f"blk.{i}.attn_v.weight", kv, h)
+        mat(f"blk.{i}.attn_output.weight", h, q)
+        norm(f"blk.{i}.attn_q_norm.weight", hd)
+        norm(f"blk.{i}.attn_k_norm.weight", hd)
+        norm(f"blk.{i}.ffn_norm.weight", h)
+        # The router: logits of O(1), so the softmax picks different experts per token.
+        router = rng.standard_normal((e, h), dtype=np.float32) / np.float32(np.sqrt(h))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+        mat(f"blk.{i}.ffn_gate_exps.weight", f, h, stack=e)
+        mat(f"blk.{i}.ffn_up_exps.weight", f, h, stack=e)
+        mat(f"blk.{i}.ffn_down_exps.weight", h, f, stack=e)
+    norm("output_norm.weight", h)
+    mat("output.weight", shape.vocab, h, "Q6_K")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=pathlib.Path)
     p.add_argument("--quant", choices=("Q4_0", "Q4_K_M", "Q4_1", "BF16"), default="Q4_0")
-    for f in ("hidden", "layers", "heads", "kv_heads", "ffn"):
-        p.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(Shape, f))
+    p.add_argument("--moe", action="store_true",
+                   help="a qwen3moe Mixture-of-Experts model (MoeShape; Q4_0 only)")
+    dense = ("hidden", "layers", "heads", "kv_heads", "ffn")
+    moe = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "experts_used",
+           "expert_ffn")
+    for f in dict.fromkeys(dense + moe):
+        defaults = [f"{getattr(cls, f)} ({what})" for cls, what, keys in
+                    ((Shape, "dense", dense), (MoeShape, "--moe", moe)) if f in keys]
+        p.add_argument(f"--{f.replace('_', '-')}", type=int,
+                       help="default: " + ", ".join(defaults))
     a = p.parse_args(argv)
-    shape = Shape(a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, quant=a.quant)
+    keys = moe if a.moe else dense
+    stray = [f"--{f.replace('_', '-')}" for f in dense + moe
+             if f not in keys and getattr(a, f) is not None]
+    if stray:
+        p.error(f"{', '.join(stray)}: not an option of the {'MoE' if a.moe else 'dense'} model")
+    given = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+    shape = MoeShape(quant=a.quant, **given) if a.moe else Shape(quant=a.quant, **given)
     out = write(a.out, shape)
+    extra = {"active_params": shape.active_params} if isinstance(shape, MoeShape) else {}
     print(json.dumps({"path": str(out), "bytes": out.stat().st_size,
-                      "params": shape.params, **asdict(shape)}))
+                      "params": shape.params, **extra, **asdict(shape)}))
     return 0
 
 

