@@ -6,7 +6,10 @@
   ``query_pre_attn_scalar`` apart from ``head_dim``, a final logit softcap, and random norm
   weights (transformers initializes them to zero, where a missing ``1 +`` would not show).
   transformers' logits and greedy tokens are the reference, on 1, 2 (and 3, slow) stages, and
-  for a float32 GGUF of the same weights written as llama.cpp's converter writes gemma3.
+  for a float32 GGUF of the same weights written as llama.cpp's converter writes gemma3. Q8_0
+  and Q4_0 files of them are held to transformers on the weights decoded from their blocks,
+  within the activation-quantization bound (tests/quant_bound.py), and to llama.cpp on the
+  same files (slow tier).
 * The real Gemma 3 270M Q4_K_M file (the ``gemma3_270m`` fixture): llama.cpp (llama-cpp-python,
   built by bench/llamacpp.py in ``bench/.venv-llamacpp``, run as a subprocess) is the reference
   for its tokenizer, its chat format and its greedy tokens. jaxdist binds the file's matrices as
@@ -17,6 +20,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -32,10 +36,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import ggml_blocks  # noqa: E402
 import gguf  # noqa: E402
 from llamacpp_ref import check_tokens as _check_tokens  # noqa: E402
+from llamacpp_ref import NEAR_TIE  # noqa: E402
 from llamacpp_ref import llamacpp as _llamacpp  # noqa: E402
-from llm_utils import generate  # noqa: E402
+from llm_utils import generate, step_inputs  # noqa: E402
+from quant_bound import activation_bound  # noqa: E402
 
 from jaxdist.coordinator.cluster import Cluster  # noqa: E402
 from jaxdist.coordinator.generation import Generator, SamplingParams  # noqa: E402
@@ -178,11 +185,14 @@ def test_hf_old_config_spelling(root: pathlib.Path, hf_model: Any) -> None:
     assert gemma3_model("gemma3-old", roots=[root]).meta["config"] == new
 
 
-def _write_gguf(hf: Any, path: pathlib.Path) -> None:
-    """Write an HF Gemma 3 as an f32 GGUF the way llama.cpp's converter writes gemma3 (its
+def _write_gguf(hf: Any, path: pathlib.Path, qtype: str = "F32") -> Any:
+    """Write an HF Gemma 3 as a GGUF the way llama.cpp's converter writes gemma3 (its
     Gemma3Model: keys, tensor names, 1 added to every norm weight, no lm_head for tied
-    embeddings). The layer pattern goes in as one bool per layer, which llama.cpp reads, since
-    this model's is not the default (every 6th layer global)."""
+    embeddings), its matrices in ``qtype`` (blocks from gguf.quants / ggml), norms F32. The
+    layer pattern goes in as one bool per layer, which llama.cpp reads, since this model's is
+    not the default (every 6th layer global); no vocabulary (token ids only), so llama.cpp
+    reads the vocabulary size. Returns a copy of ``hf`` holding the weights ``gguf.quants``
+    decodes from the file (``hf`` itself for F32)."""
     c = hf.config
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in hf.state_dict().items()}
     rope = c.rope_parameters
@@ -205,22 +215,44 @@ def _write_gguf(hf: Any, path: pathlib.Path) -> None:
         w.add_final_logit_softcapping(float(c.final_logit_softcapping))
     w.add_sliding_window(c.sliding_window)
     w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    w.add_tokenizer_model("none")
+    w.add_vocab_size(c.vocab_size)
+    decoded: dict[str, np.ndarray] = {}
+
+    def add(name: str, hf_name: str, t: np.ndarray) -> None:
+        if t.ndim == 2 and qtype != "F32":
+            blocks = ggml_blocks.quantize(t, qtype)
+            w.add_tensor(name, blocks, raw_shape=blocks.shape,
+                         raw_dtype=gguf.GGMLQuantizationType[qtype])
+            decoded[hf_name] = ggml_blocks.dequantize(blocks, qtype)
+        else:
+            w.add_tensor(name, t)
+
     names = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
              "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"] + np.float32(1))
+    add("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", "model.norm.weight", sd["model.norm.weight"] + np.float32(1))
     for i in range(c.num_hidden_layers):
         for g, h in names.items():
             t = sd[f"model.layers.{i}.{h}.weight"]
-            w.add_tensor(f"blk.{i}.{g}.weight", t + np.float32(1) if "norm" in g else t)
+            add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight",
+                t + np.float32(1) if "norm" in g else t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if not decoded:
+        return hf
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():  # the tied lm_head shares embed_tokens
+            if name in decoded:
+                p.copy_(torch.from_numpy(decoded[name]))
+    return ref
 
 
 def test_gguf_f32_parity(root: pathlib.Path) -> None:
@@ -236,6 +268,76 @@ def test_gguf_f32_parity(root: pathlib.Path) -> None:
     assert cfg.attn_scale == pytest.approx(24 ** -0.5) and cfg.tied
     with _pipe(model, root, 1) as pipe:
         _check_parity(pipe, hf, "Gemma 3 F32 GGUF")
+
+
+def _forced_logits(pipe: InProcessPipeline, tokens: Sequence[int], n_prompt: int) -> np.ndarray:
+    """Logits after the prompt ``tokens[:n_prompt]``, then after each later token fed in turn."""
+    with pipe.session() as session:
+        out = [session(step_inputs([tokens[:n_prompt]], slots=[0], pos=[0], width=16))["logits"]]
+        for p in range(n_prompt, len(tokens)):
+            out.append(session(step_inputs([[tokens[p]]], slots=[0], pos=[p]))["logits"])
+    return np.stack([o[0] for o in out])
+
+
+@pytest.fixture(scope="module")
+def quantized_files(root: pathlib.Path) -> dict[str, Any]:
+    """Q8_0 and Q4_0 GGUFs of one tiny model (query_pre_attn_scalar = head_dim, as for the
+    F32 file), and for each the HF model holding the weights decoded from its blocks."""
+    hf = _tiny(query_pre_attn_scalar=24)
+    return {q: _write_gguf(hf, root / f"gemma3.{q}.gguf", q) for q in ("Q8_0", "Q4_0")}
+
+
+# Q4_0 in the slow tier: the same kernels' path with another block type.
+@pytest.mark.parametrize("qtype", ["Q8_0", pytest.param("Q4_0", marks=pytest.mark.slow)])
+def test_gguf_quantized_close(root: pathlib.Path, quantized_files: dict[str, Any],
+                              qtype: str) -> None:
+    """Packed Q8_0/Q4_0 matrices (the tied embedding too, gathered and as the LM head) against
+    transformers on the decoded weights, within the activation-quantization bound
+    (tests/quant_bound.py), teacher-forced past the local layers' window."""
+    if not kernels.load().available:
+        pytest.skip(f"CPU kernels unavailable: {kernels.load().reason}")
+    ref = quantized_files[qtype]
+    want_tokens, _ = _hf_reference(ref, PROMPT, 4)
+    tokens = [*PROMPT, *want_tokens]
+    rows = slice(len(PROMPT) - 1, len(tokens))
+    with torch.no_grad():
+        want = ref(torch.tensor([tokens])).logits[0, rows].numpy()
+    bound = activation_bound(ref, tokens, rows, qtype) + _tolerance(want)
+    model = gemma3_model(f"gemma3.{qtype}.gguf", roots=[root], return_logits=True, max_seq=64)
+    packed = {p.uri.rsplit("#", 1)[1]: p.quant for u in model.units for p in u.params.values()
+              if p.packed}
+    assert packed.get("blk.0.attn_q.weight") == qtype and packed.get("token_embd.weight") == qtype
+    with _pipe(model, root, 2) as pipe:
+        got = _forced_logits(pipe, tokens, len(PROMPT))
+    err = np.abs(got - want)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), (f"Gemma 3 {qtype}: |logits - transformers| {err[worst]:.3g} "
+                                  f"over the bound {bound[worst]:.3g} at (step, token) {worst}")
+
+
+@pytest.mark.slow  # llama.cpp's bindings: make test-slow builds them (bench/llamacpp.py)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_quantized_matches_llamacpp(root: pathlib.Path, quantized_files: dict[str, Any],
+                                         qtype: str) -> None:
+    """The same tiny files in llama.cpp (its own Gemma 3 graph and quantized arithmetic):
+    teacher-forced logits along llama.cpp's greedy run within NEAR_TIE of its own, and the
+    same greedy token wherever its top-2 margin is not a near-tie."""
+    if not kernels.load().available:
+        pytest.skip(f"CPU kernels unavailable: {kernels.load().reason}")
+    path = root / f"gemma3.{qtype}.gguf"
+    (greedy,) = _llamacpp(model=str(path), prompts=[PROMPT], n_new=N_NEW, n_ctx=64,
+                          text=False)["greedy"]
+    tokens = [*PROMPT, *greedy["tokens"][:-1]]
+    (want,) = _llamacpp(model=str(path), forced=[tokens], n_prompt=len(PROMPT),
+                        n_ctx=64)["logits"]
+    model = gemma3_model(path.name, roots=[root], return_logits=True, max_seq=64)
+    with _pipe(model, root, 1) as pipe:
+        got = _forced_logits(pipe, tokens, len(PROMPT))
+    err = float(np.abs(got - np.asarray(want)).max())
+    assert err <= NEAR_TIE, f"Gemma 3 {qtype}: max |logits - llama.cpp| = {err:.3g}"
+    for step, (token, margin) in enumerate(zip(greedy["tokens"], greedy["margins"])):
+        if margin >= NEAR_TIE:
+            assert int(np.argmax(got[step])) == token, f"Gemma 3 {qtype} step {step}"
 
 
 def test_conditional_generation_exports_the_text_model(root: pathlib.Path,

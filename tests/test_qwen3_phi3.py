@@ -14,7 +14,7 @@ Q4_0 files (blocks from ``gguf.quants``) are checked against transformers run on
 ``gguf.quants`` decodes from those blocks, so the weights' own rounding is no error; what is left
 is the activation quantization of the CPU kernels (Q8_0 blocks of 32 before each product, as
 llama.cpp's ``vec_dot_type``). Its tolerance is derived as tests/test_kernels.py derives the
-bound of one product, carried through the network to first order (:func:`_activation_bound`).
+bound of one product, carried through the network to first order (tests/quant_bound.py).
 Tiny random models have small top-2 margins and quantized activations move logits, so those
 files are compared by logits over a few teacher-forced steps (a logit within its bound can
 change the greedy token only where the reference has a near-tie), not by long token runs.
@@ -39,6 +39,7 @@ transformers = pytest.importorskip("transformers")
 import ggml_blocks  # noqa: E402
 import gguf  # noqa: E402
 from llm_utils import generate, step_inputs  # noqa: E402
+from quant_bound import activation_bound  # noqa: E402
 
 from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
 from jaxdist.core.errors import SpecError  # noqa: E402
@@ -288,49 +289,6 @@ def _forced_logits(pipe: InProcessPipeline, tokens: Sequence[int], n_prompt: int
     return np.stack([o[0] for o in out])
 
 
-def _activation_bound(model: Any, tokens: Sequence[int], rows: slice, qtype: str) -> np.ndarray:
-    """How far the logits at positions ``rows`` may move when the input ``x`` of every linear
-    layer is quantized as the CPU kernels quantize it for ``qtype`` weights.
-
-    Each element moves by some ``u_k`` with ``|u_k| <= e_k = activation_error(x)_k``
-    (tests/ggml_blocks.py, the bound of tests/test_kernels.py). To first order a logit moves by
-    ``sum_k a_k u_k``, with ``a_k = d logit / d x_k`` from transformers' autograd. The worst
-    case ``sum_k |a_k| e_k`` holds always but is about 30 times what the roughly 20 thousand
-    roundings of these runs do, since they do not all go the worst way; taken as independent
-    zero-mean errors (the usual model of rounding), Hoeffding's inequality gives
-    ``P(|sum_k a_k u_k| >= t) <= 2 exp(-t^2 / (2 sum_k a_k^2 e_k^2))``. Returned: the ``t`` of
-    ``P = 1e-6`` per logit (so below 1e-3 for all the logits a test compares). Layers fed the
-    same tensor (Qwen3's q, k and v; gate and up) round it the same way: one ``u`` for all.
-    """
-    inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (x, its perturbation)
-
-    def perturb(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0]
-        delta = next((d for seen, d in inputs if seen is x), None)
-        if delta is None:
-            delta = torch.zeros_like(x, requires_grad=True)
-            inputs.append((x, delta))
-        return (x + delta, *args[1:])
-
-    hooks = [m.register_forward_pre_hook(perturb) for m in model.modules()
-             if isinstance(m, torch.nn.Linear)]
-    try:
-        logits = model(torch.tensor([list(tokens)])).logits[0, rows]
-    finally:
-        for h in hooks:
-            h.remove()
-    n = logits.numel()
-    basis = torch.eye(n).reshape(n, *logits.shape)
-    grads = torch.autograd.grad(logits, [d for _, d in inputs], grad_outputs=basis,
-                                is_grads_batched=True)
-    variance = np.zeros(n)  # sum_k a_k^2 e_k^2, per logit
-    for (x, _), g in zip(inputs, grads):
-        x2 = x.detach().reshape(-1, x.shape[-1]).numpy().astype(np.float64)
-        err = ggml_blocks.activation_error(x2, qtype).reshape(-1)
-        variance += np.square(g.reshape(n, -1).numpy().astype(np.float64)) @ np.square(err)
-    return np.sqrt(2 * math.log(2 / 1e-6) * variance).reshape(logits.shape)
-
-
 # The fast tier runs each arch and each type once; the slow tier the other two pairs.
 @pytest.mark.parametrize(("arch", "qtype"), [
     ("phi3", "Q4_0"), ("qwen3", "Q8_0"),
@@ -348,7 +306,7 @@ def test_gguf_quantized_close(hf_models: dict[str, Any], root: pathlib.Path, arc
     rows = slice(len(prompt) - 1, len(tokens))
     with torch.no_grad():
         want = ref(torch.tensor([tokens])).logits[0, rows].numpy()
-    bound = _activation_bound(ref, tokens, rows, qtype) + _float_tolerance(want)
+    bound = activation_bound(ref, tokens, rows, qtype) + _float_tolerance(want)
     model = llama_model(name, roots=[root], return_logits=True, max_seq=MAX_SEQ)
     packed = {p.uri.rsplit("#", 1)[1]: p.quant for u in model.units for p in u.params.values()
               if p.packed}
