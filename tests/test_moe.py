@@ -185,10 +185,12 @@ def tiny_pipes(root: pathlib.Path, hf_models: dict[str, Any]) -> Any:
         pipe.close()
 
 
-# 1 and 3 stages in the slow tier: 2 stages checks the same block on both sides of a split.
-@pytest.mark.parametrize("stages", [pytest.param(1, marks=pytest.mark.slow), 2,
-                                    pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("arch", ARCHS)
+# The fast tier runs Qwen3-MoE's checkpoint on 2 stages (the same block on both sides of a
+# split); Mixtral's experts reach transformers there through its F32 GGUF. The rest is slow.
+@pytest.mark.parametrize(("arch", "stages"), [
+    ("qwen3moe", 2), *[pytest.param(a, n, marks=pytest.mark.slow)
+                       for a, n in (("qwen3moe", 1), ("qwen3moe", 3), ("mixtral", 1),
+                                    ("mixtral", 2), ("mixtral", 3))]])
 def test_hf_parity(hf_models: dict[str, Any], tiny_pipes: Any, arch: str, stages: int) -> None:
     pipe = tiny_pipes(arch, stages)
     assert len(pipe.stages) == stages
@@ -353,9 +355,12 @@ def _forced_logits(pipe: InProcessPipeline, prompts: Sequence[Sequence[int]], n_
     return np.stack(out)
 
 
-# Q8_0 in the slow tier: Q4_0 runs the same kernel path with another block type.
-@pytest.mark.parametrize("qtype", [pytest.param("Q8_0", marks=pytest.mark.slow), "Q4_0"])
-@pytest.mark.parametrize("arch", ARCHS)
+# The fast tier runs Mixtral's Q4_0 file; Qwen3-MoE's Q4_0 experts run there on 2 workers
+# (test_gguf_quantized_on_workers), and Q8_0 is the same kernel path with another block type.
+@pytest.mark.parametrize(("arch", "qtype"), [
+    ("mixtral", "Q4_0"), *[pytest.param(a, q, marks=pytest.mark.slow)
+                           for a, q in (("mixtral", "Q8_0"), ("qwen3moe", "Q8_0"),
+                                        ("qwen3moe", "Q4_0"))]])
 def test_gguf_quantized_experts_packed(root: pathlib.Path, gguf_files: dict[tuple[str, str], str],
                                        monkeypatch: pytest.MonkeyPatch, arch: str,
                                        qtype: str) -> None:
