@@ -1,9 +1,9 @@
 """Text <-> token ids for exported models, from a GGUF file's vocabulary or a ``tokenizer.json``.
 
 :class:`Tokenizer` is a thin wrapper over a ``tokenizers.Tokenizer`` (the Rust library does the
-work) plus what a serving loop needs around it: the BOS id, the set of end-of-generation ids, a
-chat template rendered the way ``transformers`` renders it, and a :class:`StreamDecoder` that turns
-a growing list of generated ids into text deltas without splitting a multi-byte character.
+work) plus what a serving loop needs around it: the BOS id, the set of end-of-generation ids, and
+a chat template rendered the way ``transformers`` renders it. Generated ids become text, a few at
+a time and cut at stop strings, in :mod:`jaxdist.coordinator.detokenizer`.
 
 A GGUF carries no ``tokenizer.json``; its tokenizer is rebuilt from llama.cpp's metadata keys,
 following llama.cpp's own conventions (``src/llama-vocab.cpp``):
@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from jaxdist.core.errors import SpecError
 from jaxdist.core.weights.gguf import metadata as gguf_metadata
 
-__all__ = ["PRE_TOKENIZERS", "StreamDecoder", "Tokenizer", "gguf_tokenizer", "load_tokenizer"]
+__all__ = ["PRE_TOKENIZERS", "Tokenizer", "gguf_tokenizer", "load_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +127,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; bytes that do not form valid UTF-8 become U+FFFD."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def stream_decoder(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
-        """A new :class:`StreamDecoder` over this tokenizer."""
-        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
     def with_chat_template(self, chat_template: str | None) -> Tokenizer:
         """The same tokenizer (sharing its backend) with another chat template."""
@@ -274,52 +270,6 @@ class Tokenizer:
             template = {t.get("name"): t.get("template") for t in template}.get("default")
         return cls(backend, bos_id=bos_id, eos_ids=eos, chat_template=template, source=str(d),
                    special_tokens=named)
-
-
-class StreamDecoder:
-    """Turns generated ids, fed as they come, into text that is final.
-
-    ``push`` returns only text that later ids cannot change: a character whose UTF-8 bytes are
-    split over several tokens is held back until it is complete. ``flush`` returns what is held
-    back (incomplete bytes as U+FFFD). The deltas of all pushes plus ``flush`` concatenate to
-    ``tokenizer.decode(all_ids)``.
-
-    Each push decodes a short window: the ids since the text emitted before last, so decoders that
-    look at neighbouring tokens (a leading-space strip, WordPiece ``##``) see the same context as a
-    full decode.
-
-    Example:
-        >>> stream = tok.stream_decoder()                     # doctest: +SKIP
-        >>> for token in generated: print(stream.push(token), end="")  # doctest: +SKIP
-        >>> print(stream.flush())                             # doctest: +SKIP
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the window: context already emitted
-        self._read = 0    # ids before this are emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
-
-    def _delta(self, *, final: bool) -> str:
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        if len(after) <= len(before) or (not final and after.endswith("\ufffd")):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return after[len(before):]
-
-    def push(self, ids: int | Sequence[int]) -> str:
-        """Add one or more ids; return the new final text (possibly ``""``)."""
-        self._ids.extend(int(i) for i in (ids if hasattr(ids, "__iter__") else [ids]))
-        return self._delta(final=False)
-
-    def flush(self) -> str:
-        """Return the text held back, even if it ends in an incomplete character."""
-        return self._delta(final=True)
 
 
 def load_tokenizer(model_path: str | os.PathLike[str]) -> Tokenizer | None:

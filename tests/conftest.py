@@ -11,12 +11,16 @@ import os
 import pathlib
 import types
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 from jaxdist.coordinator.cluster import Cluster
+
+if TYPE_CHECKING:  # loaded by the tests that need it
+    from jaxdist.exporters.tokenizer import Tokenizer
 
 D = 32  # width of the test MLP
 
@@ -87,6 +91,16 @@ def smollm2() -> pathlib.Path:
     path = pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     assert path.is_file(), f"{path} is missing"
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2: pathlib.Path) -> Tokenizer:
+    """SmolLM2's tokenizer, rebuilt from its GGUF (byte-level BPE)."""
+    from jaxdist.exporters.tokenizer import Tokenizer, load_tokenizer
+
+    tok = load_tokenizer(smollm2)
+    assert isinstance(tok, Tokenizer)
+    return tok
 
 
 @pytest.fixture(scope="session")

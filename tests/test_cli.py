@@ -216,6 +216,45 @@ def test_chat_turns_match_generate_chat_and_reset_starts_over():
     assert "(conversation reset)" in proc.stderr
 
 
+def _stop_across_a_token_boundary(tok, tokens: list[int]) -> str:
+    """A stop string in the greedy text of ``tokens``: the last character of one token and the
+    first of the next, at its first occurrence, each token with text on the other side too. So
+    it is completed by a token that holds text after it, and begins in a token that holds text
+    before it: printing every token's text, or the text of the tokens before the one that
+    completed it, both differ from the text cut before the stop string."""
+    ends = [len(tok.decode(tokens[:k])) for k in range(len(tokens) + 1)]
+    text = tok.decode(tokens)
+    for k in range(2, len(tokens)):  # the boundary between token k-1 and token k
+        a, b, c = ends[k - 1], ends[k], ends[k + 1]
+        stop = text[b - 1:b + 1]
+        if b - a >= 2 and c - b >= 2 and stop.strip() and text.find(stop) == b - 1:
+            return stop
+    raise AssertionError(f"no stop string across a token boundary in {text!r}")
+
+
+def test_generate_prints_the_engine_text_cut_at_a_stop_string(smollm2_tokenizer):
+    """Without --json the text streamed to the terminal is the engine's: cut before --stop,
+    the same as --json reports. (It used to be the text of every token the model produced,
+    the stop string included, and --json's the decode of the tokens kept.) The CLI prints the
+    same whether or not stdout is a terminal."""
+    tok = smollm2_tokenizer
+    args = ("generate", "--max-tokens", "12", *SMALL)
+    free = _run((*args, "--json"), "")
+    assert free.returncode == 0, free.stderr
+    ref = json.loads(free.stdout)
+    assert ref["text"] == tok.decode(ref["tokens"])
+    stop = _stop_across_a_token_boundary(tok, ref["tokens"])
+    want = ref["text"][:ref["text"].find(stop)]
+    cut = _run((*args, "--json", "--stop", stop), "")
+    printed = _run((*args, "--stop", stop), "")
+    assert cut.returncode == printed.returncode == 0, cut.stderr + printed.stderr
+    out = json.loads(cut.stdout)
+    assert (out["text"], out["finish_reason"]) == (want, "stop"), stop
+    # The prompt is echoed, then the generated text, then the line ends.
+    assert printed.stdout == tok.decode(ref["prompt_ids"]) + want + "\n", stop
+    assert "tokens, stop;" in printed.stderr
+
+
 @pytest.mark.slow  # two more SmolLM2 runs of the CLI
 def test_generate_reads_the_prompt_from_stdin():
     args = ("generate", "--max-tokens", "5", "--json", *SMALL)

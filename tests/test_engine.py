@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 from llm_utils import GatedPipeline
 from models import save_tiny_llama
+from test_detokenizer import TEXTS, _stops_of  # split characters; stop strings to try
 
 from jaxdist.coordinator.cluster import Cluster
-from jaxdist.coordinator.detokenizer import IncrementalDetokenizer, TextStream
 from jaxdist.coordinator.engine import Engine, EngineClosed, QueueFull, RequestFailed
 from jaxdist.coordinator.generation import Generator, SamplingParams
 from jaxdist.coordinator.inprocess import InProcessPipeline
@@ -294,48 +294,7 @@ def test_queue_full_then_accepted_after_a_request_finishes(tiny, pipe):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. incremental detokenization and stop strings
-
-
-TEXTS = ["héllo wörld 你好 🙂 naïve — ok", "Ünïcödé ∑ 𝄞 ends in a four-byte char 𝄞",
-         "plain ascii, nothing to hold back"]
-
-
-@pytest.mark.parametrize("text", TEXTS)
-def test_incremental_text_equals_full_decode(smollm_tok, text):
-    ids = smollm_tok.encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer(smollm_tok)
-    parts = [d.push([i]) for i in ids]
-    parts.append(d.flush())
-    assert "".join(parts) == smollm_tok.decode(ids) == text
-    assert all("\ufffd" not in p for p in parts)  # split characters were held, not mangled
-
-
-def _stops_of(text: str) -> list[str]:
-    """Stop strings to try: every character and pair (multi-byte ones too), and a few longer."""
-    found = {text[i:i + n] for n in (1, 2, 5) for i in range(0, len(text) - n + 1, 3)}
-    return sorted(s for s in found if s.strip())
-
-
-@pytest.mark.parametrize("text", TEXTS)
-def test_stop_strings_cut_as_a_full_text_search(smollm_tok, text):
-    ids = smollm_tok.encode(text, add_special_tokens=False)
-    full = smollm_tok.decode(ids)
-    for stop in _stops_of(full):
-        t = TextStream(smollm_tok, stop_strings=("never-there", stop))
-        emitted, stopped_at = [], None
-        for k, i in enumerate(ids):
-            out, stopped = t.push([i])
-            emitted.append(out)
-            if stopped and stopped_at is None:
-                stopped_at = k
-        emitted.append(t.finish()[0])
-        want = full[:full.find(stop)]
-        assert "".join(emitted) == t.text == want, stop
-        # It stopped at the token that completed the stop string, not later.
-        assert stopped_at is not None
-        assert stop in smollm_tok.decode(ids[:stopped_at + 1])
-        assert stop not in smollm_tok.decode(ids[:stopped_at])
+# 4. streamed text and stop strings (the detokenizer alone: test_detokenizer)
 
 
 class _Scripted:

@@ -1,4 +1,4 @@
-"""jaxdist.exporters.tokenizer: GGUF and tokenizer.json tokenizers, stream decoding, chat templates.
+"""jaxdist.exporters.tokenizer: GGUF and tokenizer.json tokenizers, chat templates.
 
 Every expected id comes from an independent reference: ``transformers`` (its own GGUF-to-tokenizer
 conversion, or ``AutoTokenizer`` on the model directory). Where llama.cpp and transformers differ on
@@ -17,7 +17,7 @@ import gguf
 import pytest
 
 from jaxdist.core.errors import SpecError
-from jaxdist.exporters.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
+from jaxdist.exporters.tokenizer import Tokenizer, load_tokenizer
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -175,34 +175,6 @@ def test_smollm_special_ids(smollm: Tokenizer, smollm_ref: Any) -> None:
     assert smollm_ref.eos_token_id in smollm.eos_ids
     assert smollm.backend.token_to_id("<|im_end|>") in smollm.eos_ids
     assert smollm.vocab_size == len(smollm_ref)
-
-
-def test_stream_decoder_unicode(smollm: Tokenizer) -> None:
-    ids = smollm.encode(TEXTS[3])
-    # The test only means something if some character's bytes span several tokens.
-    assert any("\ufffd" in smollm.decode([i]) for i in ids)
-    stream = smollm.stream_decoder()
-    deltas = [stream.push(i) for i in ids]
-    assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) + stream.flush() == smollm.decode(ids) == TEXTS[3]
-
-
-def test_stream_decoder_flush_incomplete(smollm: Tokenizer) -> None:
-    ids = smollm.encode(TEXTS[3])
-    cut = next(k for k in range(1, len(ids)) if smollm.decode(ids[:k]).endswith("\ufffd"))
-    stream = StreamDecoder(smollm)
-    held = stream.push(ids[:cut])
-    assert not held.endswith("\ufffd")
-    assert held + stream.flush() == smollm.decode(ids[:cut])
-
-
-def test_stream_decoder_skips_specials(smollm: Tokenizer) -> None:
-    ids = smollm.encode(TEXTS[-1])
-    stream = smollm.stream_decoder()
-    text = "".join(stream.push(i) for i in ids) + stream.flush()
-    assert text == smollm.decode(ids)
-    stream = smollm.stream_decoder(skip_special_tokens=False)
-    assert "".join(stream.push(i) for i in ids) + stream.flush() == TEXTS[-1]
 
 
 # --- chat templates ----------------------------------------------------------------------------

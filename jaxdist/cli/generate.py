@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxdist.cli.common import ProgressBar, add_cluster_args, check_cluster_args, open_cluster
-from jaxdist.coordinator.generation import Generator, SamplingParams
+from jaxdist.coordinator.engine import Engine
+from jaxdist.coordinator.request import SamplingParams
+from jaxdist.coordinator.steps import check_request
 from jaxdist.core.errors import JaxdistError, SpecError
 from jaxdist.export.causal_lm import CausalLM
 from jaxdist.export.model import Model
@@ -305,34 +307,39 @@ def run_generate(opts: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature,
                             top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
                             stop_strings=tuple(opts.stop))
+    # What the model cannot take is refused before any worker starts.
+    check_request(ids, params, max_seq=plan.lm.max_seq,
+                  vocab_size=plan.vocab or getattr(tok, "vocab_size", None), where="the prompt")
+    if opts.stop and tok is None:
+        raise SpecError(f"--stop needs the model's tokenizer to find the text, and model "
+                        f"{plan.name} has none here")
+    show = tok is not None and not opts.json  # stream the text as the engine releases it
     with open_cluster(opts, plan.roots) as cluster:
         with ProgressBar() as bar:
             pipe = plan.deploy(cluster, bar if not opts.json else None)
-        stream = tok.stream_decoder() if tok is not None and not opts.json else None
-        if stream is not None and tok is not None and not opts.chat:
+        if show and tok is not None and not opts.chat:
             sys.stdout.write(tok.decode(ids))  # echo the prompt, then stream the continuation
             sys.stdout.flush()
-
-        def on_token(_i: int, token: int) -> None:
-            if stream is not None:
-                sys.stdout.write(stream.push(token))
-                sys.stdout.flush()
-
         t0 = time.perf_counter()
         # The engine is closed before the cluster, Ctrl-C included: it ends its session on
         # the workers while their channels are still open.
-        with Generator.for_model(pipe, plan.lm, tokenizer=tok) as gen:
+        with Engine.for_model(pipe, plan.lm, tokenizer=tok, max_queue=None) as engine:
             try:
-                (result,) = gen.run([ids], params, on_token=on_token)
+                with engine.submit(ids, params) as stream:
+                    for delta in stream:  # the engine's text: cut before a stop string
+                        if show and delta.text:
+                            sys.stdout.write(delta.text)
+                            sys.stdout.flush()
+                    result = stream.result()
             except KeyboardInterrupt:
-                if stream is not None:  # the message goes on a line of its own
+                if show:  # the message goes on a line of its own
                     sys.stdout.write("\n")
                     sys.stdout.flush()
                 raise
             wall = time.perf_counter() - t0
         memory = pipe.stage_memory() if opts.json else []
         pipe.close(unload=plan.unload)
-    text = tok.decode(result.tokens) if tok is not None else None
+    text = result.text
     if opts.json:
         print(json.dumps({"prompt_ids": ids, "tokens": result.tokens, "text": text,
                           "finish_reason": result.finish_reason, "ttft_s": result.ttft_s,
@@ -342,9 +349,7 @@ def run_generate(opts: argparse.Namespace) -> int:
                           "stage_weight_bytes": [m["weight_bytes"] for m in memory],
                           "stage_memory": memory}))
     else:
-        if stream is not None:
-            sys.stdout.write(stream.flush())
-        elif text is None:
+        if text is None:
             sys.stdout.write(" ".join(str(t) for t in result.tokens))
         sys.stdout.write("\n")
         print(f"[{len(result.tokens)} tokens, {result.finish_reason}; first token "

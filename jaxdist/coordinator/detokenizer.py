@@ -15,6 +15,10 @@ incomplete character is searched too, so a stop string is found at the token tha
 it. So the emitted text is always cut before the first stop string, and no text after it is
 ever emitted, at a cost of O(new text + (longest stop string)^2) per step, independent of the
 sequence length.
+
+This is jaxdist's one incremental detokenizer: the engine gives each delta its text with it,
+and ``jaxdist generate``, ``chat`` and ``serve`` print or send those texts. It needs only a
+``decode`` (:class:`Detokenizer`), so a tokenizer of any kind, or a stand-in, serves.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Batch generation: :class:`Generator` runs a list of prompts to their end on an
 :class:`~jaxdist.coordinator.engine.Engine`.
 
-This is the API of the CLI (``jaxdist generate``), the benchmarks and the tests: a call that
-takes prompts and returns results. The engine under it is long-lived: one per generator, made
-on first use, so calls from several threads share its KV slots and batch together. The step
-contract is :mod:`jaxdist.coordinator.steps`; the scheduling and failover are the engine's
+This is the API of the benchmarks and the tests: a call that takes prompts and returns
+results (``jaxdist generate``, like ``chat`` and ``serve``, streams the engine's deltas). The
+engine under it is long-lived: one per generator, made on first use, so calls from several
+threads share its KV slots and batch together. The step contract is
+:mod:`jaxdist.coordinator.steps`; the scheduling and failover are the engine's
 (:mod:`jaxdist.coordinator.engine`).
 """
 
