@@ -56,13 +56,17 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import jaxlib
-from jax import export as jexport
+from jaxdist.core.about import check_versions
+
+check_versions()  # before jax's internals below: another jax fails here, by name
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jaxlib  # noqa: E402
+from jax import export as jexport  # noqa: E402
 
 # Private jax module: the config states make exports deterministic.
-from jax._src import config as _jax_config
+from jax._src import config as _jax_config  # noqa: E402
 
 from jaxdist.core.dims import parse_dim
 from jaxdist.core.errors import ArtifactError

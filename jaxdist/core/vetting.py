@@ -59,17 +59,21 @@ import logging
 import re
 from collections.abc import Collection
 
-import jax
-import jaxlib
-from jax import export as jexport
+from jaxdist.core.about import check_versions
+
+check_versions()  # before jax's internals below: another jax fails here, by name
+
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+from jax import export as jexport  # noqa: E402
 
 # Private jax name, the one left: the newest flatbuffer schema the local jax reads is kept only
 # in this constant (the bytes never carry it; see "Versions" above).
-from jax._src.export.serialization import _SERIALIZATION_VERSION
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as _stablehlo
+from jax._src.export.serialization import _SERIALIZATION_VERSION  # noqa: E402
+from jax.extend.mlir import ir  # noqa: E402
+from jax.extend.mlir.dialects import stablehlo as _stablehlo  # noqa: E402
 
-from jaxdist.core.errors import ArtifactError
+from jaxdist.core.errors import ArtifactError  # noqa: E402
 
 __all__ = [
     "DEFAULT_CUSTOM_CALL_ALLOWLIST", "EXPORT_PLATFORMS", "LINALG_TARGETS", "MIN_SERIALIZATION_VERSION",
