@@ -10,6 +10,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -27,11 +28,16 @@ from jaxdist.core.transport import stream
 from jaxdist.core.transport.client import WorkerClient
 from jaxdist.core.transport.frames import FrameHeader, split_frame
 from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.worker.runtime import Hub
 
 MIB = 1 << 20
+GIB = 1 << 30
 STREAMS = 6      # --max-streams-per-peer
 INFLIGHT = 8 * MIB  # --max-inflight-bytes
 IDLE_S = 1.5     # --frame-idle-timeout of the `stalling` worker
+PER_SUBSCRIBER = 80 * MIB  # --max-subscriber-bytes of the `queued` worker
+QUEUED = 96 * MIB  # --max-queued-event-bytes of the `queued` worker
+DEADLINE_S = 300.0  # a hang guard on each wait, not a timing assumption
 
 
 class Deployed:
@@ -74,6 +80,36 @@ def stalling() -> Iterator[Deployed]:
         yield d
     finally:
         d.close()
+
+
+@pytest.fixture(scope="module")
+def roomy() -> Iterator[Deployed]:
+    """Frames of up to 1 GiB (the default --max-frame-bytes), a budget of just over one such
+    frame in flight, and no stall timeout within a test."""
+    d = Deployed(["--max-inflight-bytes", str(GIB + 16 * MIB), "--frame-idle-timeout", "3600"])
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture(scope="module")
+def queued() -> Iterator[Deployed]:
+    d = Deployed(["--max-subscriber-bytes", str(PER_SUBSCRIBER),
+                  "--max-queued-event-bytes", str(QUEUED)])
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _poll_info(d: Deployed, what: str, ready: Any) -> pb.InfoReply:
+    """Info, asked every 50 ms until ``ready(info)``, within DEADLINE_S."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not ready(info := d.info()):
+        assert time.monotonic() < deadline, f"not within {DEADLINE_S} s: {what}"
+        time.sleep(0.05)
+    return info
 
 
 class Events:
@@ -167,8 +203,9 @@ def test_streams_are_bounded_per_peer_host(bounded: Deployed) -> None:
 
 
 def test_frames_being_received_are_bounded_together(bounded: Deployed) -> None:
-    """Two half-sent frames of 5 MiB each would hold 10 MiB, over --max-inflight-bytes (8 MiB):
-    the second is refused on its subscription naming the flag; the first then completes."""
+    """Two frames of 5 MiB each, the first stalled after 4 MiB: the second's fifth MiB would
+    make 9 MiB in flight, over --max-inflight-bytes (8 MiB), and the second is refused on its
+    subscription naming the flag (what counts is what arrived); the first then completes."""
     events = Events(bounded, bounded.pipe.pipeline_id)
     release = threading.Event()
     try:
@@ -177,21 +214,21 @@ def test_frames_being_received_are_bounded_together(bounded: Deployed) -> None:
         first = _frame(events, 1, big)
         assert len(first) == 5
 
-        def half_then_rest() -> Iterator[bytes]:
-            yield first[0]
+        def most_then_rest() -> Iterator[bytes]:
+            yield from first[:4]
             release.wait()
-            yield from first[1:]
+            yield from first[4:]
 
-        a = bounded.push.future(half_then_rest(), timeout=120)
-        _wait_info(bounded, lambda i: i.inflight_bytes >= big.nbytes, a)
+        a = bounded.push.future(most_then_rest(), timeout=120)
+        _wait_info(bounded, lambda i: i.inflight_bytes >= 4 * MIB, a)
         second = _frame(events, 2, big + 1)
-        b = bounded.push.future(iter(second[:1]), timeout=120)
+        b = bounded.push.future(iter(second), timeout=120)
         refused = events.answer(2)
         assert refused.error.code == "RESOURCE_EXHAUSTED"
-        assert (f"the frames being received by this worker hold {big.nbytes} bytes; "
-                f"{big.nbytes} more would pass the limit of {INFLIGHT} (--max-inflight-bytes)"
+        assert (f"the frames being received by this worker hold {8 * MIB} bytes; "
+                f"{MIB} more would pass the limit of {INFLIGHT} (--max-inflight-bytes)"
                 ) in refused.error.message
-        assert b.result(timeout=60).frames == 1  # a refused frame does not end its stream
+        assert b.result(timeout=60).frames == 5  # a refused frame does not end its stream
         release.set()
         done = events.answer(1)
         assert done.result is not None
@@ -239,10 +276,150 @@ def test_a_data_connection_message_begun_and_not_finished_is_closed(stalling: De
     --frame-idle-timeout the worker says why and closes the connection."""
     said = asyncio.run(_data_connection(stalling, (2 * MIB).to_bytes(4, "little") + b"\0"))
     assert isinstance(said, LimitError)
+    # Counted as it arrives: the part being read (1 MiB), not the 2 MiB declared
     assert (f"a message began, then nothing more of it arrived for {IDLE_S:g} s "
-            f"(--frame-idle-timeout); the connection is closed and the {2 * MIB} bytes it held "
-            f"are freed") in str(said)
+            f"(--frame-idle-timeout); the connection is closed and the "
+            f"{stream.READ_STEP_BYTES} bytes it held are freed") in str(said)
     assert stalling.info().inflight_bytes == 0
+
+
+def _declaring(events: Events, request_id: int, sent: int, names: tuple[str, ...] = ("x",)
+               ) -> bytes:
+    """The first message of a frame whose tensors each declare 1 GiB (float32 ``(1, 256 Mi)``)
+    and bring their first ``sent`` bytes."""
+    tensors = [pb.Tensor(name=name, dtype=pb.F32, shape=[1, GIB // 4], data=bytes(sent),
+                         offset=0, total_bytes=GIB) for name in names]
+    return pb.Frame(pipeline_id=events.pipeline_id, reply_to=events.reply_to,
+                    request_id=request_id, tensors=tensors).SerializeToString()
+
+
+def test_a_frame_counts_the_bytes_it_sent_not_the_size_it_declared(roomy: Deployed) -> None:
+    """Three Push streams each begin a frame declaring a 1 GiB tensor and send 1 MiB of it,
+    then stall: together they hold 3 MiB of the ~1 GiB --max-inflight-bytes (and of the
+    worker's memory), not 3 GiB, so whole frames still go through beside them. The declared
+    sizes are still checked up front: a frame whose tensors declare 2 GiB, over
+    --max-frame-bytes, is refused before its bytes arrive."""
+    events = Events(roomy, roomy.pipe.pipeline_id)
+    release = threading.Event()
+    calls = []
+    try:
+        assert not isinstance(events.first(), BaseException)
+        before = _poll_info(roomy, "nothing in flight", lambda i: i.inflight_bytes == 0)
+
+        def stalled(request_id: int) -> Iterator[bytes]:
+            yield _declaring(events, request_id, MIB)
+            release.wait()
+
+        for n in (1, 2, 3):
+            calls.append(roomy.push.future(stalled(n), timeout=DEADLINE_S))
+            info = _poll_info(roomy, f"{n} MiB in flight", lambda i, n=n: i.inflight_bytes >= n * MIB)
+            assert info.inflight_bytes == n * MIB  # what arrived, not the 1 GiB declared
+        # 3 GiB declared and 3 MiB written: the buffers' untouched pages cost nothing (a
+        # margin of 256 MiB for whatever else the worker allocates meanwhile).
+        assert info.rss_bytes - before.rss_bytes < 256 * MIB, (info.rss_bytes, before.rss_bytes)
+        # The rest of the budget serves whole frames: 16 MiB, and another 1 GiB declaration.
+        x = np.arange(4 * MIB, dtype=np.float32).reshape(4, -1)
+        np.testing.assert_array_equal(roomy.pipe.call(x=x, timeout=DEADLINE_S)["x"], x)
+        calls.append(roomy.push.future(stalled(4), timeout=DEADLINE_S))
+        _poll_info(roomy, "4 MiB in flight", lambda i: i.inflight_bytes == 4 * MIB)
+        # A declared size over the frame limit is refused before its bytes arrive.
+        over = roomy.push.future(iter([_declaring(events, 9, 16, ("x", "y"))]),
+                                 timeout=DEADLINE_S)
+        refused = events.answer(9)
+        assert refused.error.code == "RESOURCE_EXHAUSTED"
+        assert (f"is over the frame size limit (--max-frame-bytes={GIB}): its tensors declare "
+                f"{2 * GIB} bytes so far") in refused.error.message
+        assert over.result(timeout=DEADLINE_S).frames == 1
+        assert roomy.info().inflight_bytes == 4 * MIB
+    finally:
+        release.set()
+        events.close()
+    for call in calls:  # each stream ends with its frame half sent: what it held is freed
+        assert call.result(timeout=DEADLINE_S).frames == 1
+    _poll_info(roomy, "nothing in flight", lambda i: i.inflight_bytes == 0)
+
+
+def test_a_data_connection_message_counts_what_arrived(roomy: Deployed) -> None:
+    """On the data port, a message declaring 200 MiB of which 10 bytes arrived holds one
+    read step (1 MiB, the part being read), not 200 MiB; closing the connection frees it."""
+    async def main() -> None:
+        port = (await asyncio.to_thread(roomy.info)).data_port
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            await stream.client_handshake(reader, writer, key=None, peer=f"127.0.0.1:{port}")
+            writer.write((200 * MIB).to_bytes(4, "little") + bytes(10))
+            await writer.drain()
+            info = await asyncio.to_thread(
+                _poll_info, roomy, "a message part in flight", lambda i: i.inflight_bytes > 0)
+            assert info.inflight_bytes == stream.READ_STEP_BYTES
+        finally:
+            writer.close()
+
+    asyncio.run(main())
+    _poll_info(roomy, "nothing in flight", lambda i: i.inflight_bytes == 0)
+
+
+def _flood(d: Deployed, reply_to: str, request_ids: range) -> None:
+    """Frames whose results (1 MiB each) go to ``reply_to``, on one Push stream; returns once
+    the stage has published them all (its frame count)."""
+    stage = next(s for s in d.info().stages if s.pipeline_id == d.pipe.pipeline_id)
+    x = np.ones((1, MIB // 4), np.float32)
+    msgs = [m for i in request_ids for m in split_frame(
+        FrameHeader(d.pipe.pipeline_id, "", 0, 0, i, reply_to), {"x": x}, chunk_bytes=MIB)]
+    assert d.push(iter(msgs), timeout=DEADLINE_S).frames == len(msgs)
+    _poll_info(d, f"{len(request_ids)} results published", lambda i: any(
+        s.pipeline_id == d.pipe.pipeline_id and s.frames >= stage.frames + len(request_ids)
+        for s in i.stages))
+
+
+def test_subscribers_that_do_not_read_are_bounded_together(queued: Deployed) -> None:
+    """Two subscribers that do not read, each under --max-subscriber-bytes (80 MiB), pass
+    --max-queued-event-bytes (96 MiB) together: the one holding the most is dropped, its stream
+    ending RESOURCE_EXHAUSTED naming the flag; the other keeps its events, and the pipeline's
+    own caller is served throughout.
+
+    70 results of 1 MiB go to the first, then 70 to the second. Whatever gRPC and the sockets
+    buffer on the way (a few MiB a stream) leaves the first holding over half the bound when
+    the second's events pass it, so the first is the one dropped."""
+    pipeline_id = queued.pipe.pipeline_id
+    first = queued.client.subscribe(pipeline_id, "silent-1")
+    second = queued.client.subscribe(pipeline_id, "silent-2")
+    try:
+        for sub in (first, second):  # the greeting: subscribed; then neither reads
+            assert next(sub).msg.WhichOneof("kind") == "heartbeat"
+        _flood(queued, "silent-1", range(1, 71))
+        _flood(queued, "silent-2", range(101, 171))
+        x = np.ones((4, 8), np.float32)
+        np.testing.assert_array_equal(queued.pipe.call(x=x, timeout=DEADLINE_S)["x"], x)
+        # The first gets what gRPC had buffered for it, then the error: its queue was cleared
+        got, dropped = 0, None
+        try:
+            for view in first:
+                got += view.result is not None
+                if got == 70:
+                    break
+        except grpc.RpcError as exc:
+            dropped = exc
+        assert dropped is not None, "all 70 results reached the first: it was not dropped"
+        assert dropped.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        details = dropped.details() or ""
+        assert f"the subscriber of pipeline {pipeline_id} is not reading" in details
+        assert "the most of any subscription" in details
+        assert (f"would pass the bound of {QUEUED} bytes (--max-queued-event-bytes"
+                in details), details
+        # The second lost nothing: every one of its results arrives (between heartbeats).
+        results: set[int] = set()
+        deadline = time.monotonic() + DEADLINE_S
+        for view in second:
+            if view.result is not None:
+                results.add(view.result.msg.request_id)
+            if len(results) == 70 or time.monotonic() > deadline:
+                break
+        assert results == set(range(101, 171))
+    finally:
+        first.cancel()
+        second.cancel()
+    np.testing.assert_array_equal(queued.pipe.call(x=x, timeout=DEADLINE_S)["x"], x)
 
 
 async def _data_connection(d: Deployed, data: bytes) -> Exception | None:
@@ -268,6 +445,8 @@ async def _data_connection(d: Deployed, data: bytes) -> Exception | None:
      "--max-inflight-bytes (1000000) must be >= --max-frame-bytes (4000000)"),
     (["--max-artifact-bytes", "4M", "--max-upload-bytes", "1M"],
      "--max-upload-bytes (1000000) must be >= --max-artifact-bytes (4000000)"),
+    (["--max-subscriber-bytes", "4M", "--max-queued-event-bytes", "1M"],
+     "--max-queued-event-bytes (1000000) must be >= --max-subscriber-bytes (4000000)"),
 ])
 def test_error_an_aggregate_bound_below_its_single_bound(flags: list[str], message: str) -> None:
     """A worker-wide bound smaller than the largest single item it counts is refused at start."""
@@ -348,5 +527,45 @@ def test_read_message_with_a_watch_bounds_a_stalled_message() -> None:
         torn.feed_eof()
         with pytest.raises(TransportError, match="inside a message's length"):
             await stream.read_message(torn, 1 << 20, "test")
+
+    asyncio.run(main())
+
+
+# -- the subscriptions' aggregate bound on its own (runtime.Hub) --------------------------------
+
+
+def test_hub_drops_the_subscription_holding_the_most_past_the_total() -> None:
+    """Past the hub's total, the subscription holding the most goes, whichever one's event
+    passed it; a subscription that reads (and holds little) keeps going. Ending a stream gives
+    back what still waited for it."""
+    async def main() -> None:
+        hub = Hub(max_events=100, max_bytes=60, max_total_bytes=100)
+        silent, reader, other = (hub.open("p", name) for name in ("silent", "reader", "other"))
+        for _ in range(6):
+            assert hub.publish("p", "silent", b"x" * 10)  # 60: its own bound, not passed
+        for _ in range(3):
+            assert hub.publish("p", "other", b"y" * 10)
+        assert hub.queued == 90
+        # The reader's event passes the total: the silent one, holding the most, is dropped.
+        assert hub.publish("p", "reader", b"z" * 20)
+        assert silent.dropped is not None and reader.dropped is None and other.dropped is None
+        assert ("the subscriber of pipeline p is not reading: 6 events (60 bytes) wait, the "
+                "most of any subscription, and the events waiting for all subscriptions on "
+                "this worker would pass the bound of 100 bytes (--max-queued-event-bytes; 90 "
+                "held, 20 more); dropped it, freeing 60 bytes") == silent.dropped
+        assert await silent.get() is None
+        assert hub.queued == 50
+        assert await reader.get() == b"z" * 20  # it reads: its bytes go back
+        assert hub.queued == 30
+        # The one whose event would pass holds the most itself: it is the one dropped.
+        assert hub.publish("p", "other", b"y" * 25)  # other 55, reader 0: 55
+        assert hub.publish("p", "reader", b"z" * 45)  # 100
+        assert not hub.publish("p", "other", b"y" * 5)  # other would hold 60 of 105
+        assert other.dropped is not None and "the most of any subscription" in other.dropped
+        assert reader.dropped is None and hub.queued == 45
+        hub.close("p", "reader", reader)  # its stream ended with an event unread
+        hub.close("p", "silent", silent)
+        hub.close("p", "other", other)
+        assert hub.queued == 0
 
     asyncio.run(main())

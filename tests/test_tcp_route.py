@@ -301,7 +301,8 @@ class Relay:
 def test_a_relay_between_workers_sees_frames_but_never_the_token(
         token_cluster: Cluster, mlp_root: pathlib.Path) -> None:
     """Stage 0 is sent through a relay to stage 1's data port: the pipeline works, the relay
-    saw the frames (plaintext: SECURITY.md says so), and nothing it saw holds the token."""
+    saw the frames (plaintext: SECURITY.md says so), and nothing it saw holds the token: the
+    handshake's answer is a hop answer, a proof of the pipeline's own credential."""
     relay = Relay(_data_address(token_cluster, 1))
     try:
         with token_cluster.deploy(mlp(), stages=2, platforms=("cpu",)) as pipe:
@@ -312,6 +313,8 @@ def test_a_relay_between_workers_sees_frames_but_never_the_token(
                                        mlp_reference(mlp_root, x), rtol=1e-5, atol=1e-6)
             assert len(relay.sent) > x.nbytes and pipe.pipeline_id.encode() in relay.sent
             assert TOKEN.encode() not in relay.sent
+            assert relay.sent[:5] == stream.MAGIC + bytes((stream.HOP_VERSION,))
+            assert relay.sent[39:39 + len(pipe.pipeline_id)] == pipe.pipeline_id.encode()
             assert TOKEN.encode().hex().encode() not in relay.sent
     finally:
         relay.close()

@@ -182,6 +182,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     limits.add_argument("--max-subscriber-bytes", type=_size, default=256 << 20, metavar="SIZE",
                         help="bytes of events waiting for one subscription; past it the "
                              "subscriber is dropped (default %(default)s)")
+    limits.add_argument("--max-queued-event-bytes", type=_size, default=512 << 20,
+                        metavar="SIZE",
+                        help="bytes of events waiting for all subscriptions together; past it "
+                             "the subscriber holding the most is dropped (default %(default)s)")
     limits.add_argument("--max-frame-bytes", type=_size, default=1 << 30, metavar="SIZE",
                         help="tensor bytes in one frame, all its tensors (default %(default)s)")
     limits.add_argument("--max-tensors-per-frame", type=int, default=codec.DEFAULT_MAX_TENSORS,
@@ -208,9 +212,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            "(--tls-cert, --tls-key, --tls-ca) every hop is verified against the "
                            "CA instead and this is not needed; other hops are refused")
     auth.add_argument("--insecure-token", action="store_true",
-                      help="let this worker send its --token-file token in plaintext to an "
-                           "allowed next hop that is not loopback (without it such a hop is "
-                           "refused; anyone on the path can read the token)")
+                      help="let this worker (having a --token-file) send its pipelines' hop "
+                           "credentials in plaintext to an allowed next hop that is not "
+                           "loopback (without it such a hop is refused; anyone on the path can "
+                           "read them and push frames into those pipelines). The token itself "
+                           "never goes to a next hop")
     ops = p.add_argument_group(
         "health and metrics", "plaintext ports without credentials, off by default; bind them to "
         "loopback or a private network (see SECURITY.md)")
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                                ("--max-id-bytes", opts.max_id_bytes, 16),
                                ("--max-compiled-shapes", opts.max_compiled_shapes, 1),
                                ("--max-subscriber-bytes", opts.max_subscriber_bytes, 1),
+                               ("--max-queued-event-bytes", opts.max_queued_event_bytes, 1),
                                ("--session-idle-timeout", opts.session_idle_timeout, 0),
                                ("--kernel-threads", opts.kernel_threads, 0)):
         if value < least:
@@ -280,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdist-worker: --max-inflight-bytes ({opts.max_inflight_bytes}) must be >= "
               f"--max-frame-bytes ({opts.max_frame_bytes}), or no frame of the largest size "
               f"could be received", file=sys.stderr)
+        return 2
+    if opts.max_queued_event_bytes < opts.max_subscriber_bytes:
+        print(f"jaxdist-worker: --max-queued-event-bytes ({opts.max_queued_event_bytes}) must "
+              f"be >= --max-subscriber-bytes ({opts.max_subscriber_bytes}), or a subscription "
+              f"could never hold its own bound", file=sys.stderr)
         return 2
     if 0 < opts.max_artifact_cache_bytes < opts.max_artifact_bytes:
         print(f"jaxdist-worker: --max-artifact-cache-bytes ({opts.max_artifact_cache_bytes}) "
@@ -322,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_compiled_shapes=opts.max_compiled_shapes,
                               max_subscriber_events=opts.max_subscriber_events,
                               max_subscriber_bytes=opts.max_subscriber_bytes,
+                              max_queued_event_bytes=opts.max_queued_event_bytes,
                               peer_auth=security.client_auth(**files),
                               peer_trust=PeerTrust(opts.peer_allow,
                                                    insecure_token=opts.insecure_token),

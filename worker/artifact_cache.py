@@ -11,6 +11,7 @@ artifacts of the stages loaded now and the one just stored. Each deletion is log
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -47,6 +48,24 @@ class ArtifactCache(LocalStore):
         if self.max_bytes:
             self._prune(digest)
         return digest
+
+    def adopt(self, path: Path, digest: str) -> bool:
+        """Take in ``path``, a finished file of this cache's filesystem whose bytes hash to
+        ``digest`` (an upload: ``worker/uploads.py``), by renaming it: no copy in memory.
+
+        Returns:
+            True when stored; False when the cache had ``digest`` already (``path`` is left
+            for the caller to delete).
+        """
+        if self.has(digest):
+            return False
+        dest = self.path_of(digest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
+        log.info("stored artifact %s (%d bytes) in %s", digest, dest.stat().st_size, self.root)
+        if self.max_bytes:
+            self._prune(digest)
+        return True
 
     def get(self, digest: str) -> bytes:
         data = super().get(digest)

@@ -47,11 +47,14 @@ class WorkerConfig:
     max_compiled_shapes: int = 64                     # input shapes compiled per stage
     max_subscriber_events: int = 1024                 # events waiting for one subscription and
     max_subscriber_bytes: int = 256 << 20             # their bytes; past either, it is dropped
+    max_queued_event_bytes: int = 512 << 20           # bytes of events waiting, all subscriptions;
+    #                                                   past it the one holding most is dropped
     devices: Sequence[Any] | None = field(default=None, repr=False)  # tests pass fakes
-    # Token and TLS this worker presents when it dials its next hops (security.client_auth)
+    # TLS this worker presents when it dials its next hops (security.client_auth); its token
+    # only makes the hop credential of a pipeline without a key (transport/hop.py)
     peer_auth: ClientAuth = field(default_factory=ClientAuth)
     # The next hops it may send to beyond loopback and its cluster's CA (--peer-allow), and
-    # whether its token may go to them in plaintext (--insecure-token): transport/trust.py
+    # whether hop credentials may go to them in plaintext (--insecure-token): transport/trust.py
     peer_trust: PeerTrust = field(default_factory=PeerTrust)
     kernels: bool = True                              # register the CPU kernels (cpu workers)
     kernel_threads: int = 0                           # threads per kernel call; 0: the process's CPUs

@@ -2,9 +2,10 @@
 
 Served on the data-plane event loop beside gRPC (``server.py``), on ``--data-listen`` (default:
 the ``--listen`` host, a free port; ``off``: none). A connection first passes the handshake of
-:mod:`jaxdist.core.transport.stream` (with the worker's token: a proof of it; with its TLS
-files: TLS, and a client certificate from ``--tls-ca`` for mutual TLS), within
-:data:`HANDSHAKE_TIMEOUT_S`. Then its messages go into a :class:`FrameIngress`, the path of a
+:mod:`jaxdist.core.transport.stream` (with the worker's token: a proof of it from a
+coordinator, or from a previous stage's worker a proof of one loaded pipeline's hop credential,
+``transport/hop.py``, and then only that pipeline's frames; with its TLS files: TLS, and a
+client certificate from ``--tls-ca`` for mutual TLS), within :data:`HANDSHAKE_TIMEOUT_S`. Then its messages go into a :class:`FrameIngress`, the path of a
 gRPC ``Push`` stream: the same checks and limits, the same stages. A bad frame is reported to its
 caller and the connection goes on, as on ``Push``. A message that cannot be read (longer than the
 limit, or not a ``Frame``) ends the connection with a goodbye saying why, logged at most once per
@@ -55,6 +56,7 @@ class DataPortWorker(IngressWorker, Protocol):
     the subscriptions of the events mode."""
 
     def open_subscription(self, request: bytes, what: str, peer: str) -> OpenSubscription: ...
+    def hop_key(self, pipeline_id: str) -> bytes | None: ...
     def events(self, opened: OpenSubscription) -> AsyncGenerator[pb.Event, None]: ...
 
 
@@ -119,9 +121,10 @@ class DataListener:
         peer = "{}:{}".format(*(writer.get_extra_info("peername") or ("?", 0))[:2])
         self._connections.add(writer)
         try:
-            mode = await self._admit(peer, reader, writer)
+            admitted = await self._admit(peer, reader, writer)
+            mode, pipeline_id = admitted if admitted is not None else (None, None)
             if mode == stream.MODE_FRAMES:
-                await self._frames(peer, reader, writer)
+                await self._frames(peer, reader, writer, pipeline_id)
             elif mode == stream.MODE_EVENTS:
                 await self._events(peer, reader, writer)
         finally:
@@ -132,8 +135,9 @@ class DataListener:
                 writer.close()
 
     async def _admit(self, peer: str, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> int | None:
-        """The handshake, bounded in time and in number: the connection's mode, or ``None``
+                     writer: asyncio.StreamWriter) -> tuple[int, str | None] | None:
+        """The handshake, bounded in time and in number: the connection's mode and the
+        pipeline a next hop's credential named (``None``: a coordinator's token), or ``None``
         (logged) when refused."""
         if self._handshaking >= MAX_HANDSHAKES:
             self._refused(peer, f"more than {MAX_HANDSHAKES} connections in their handshake")
@@ -142,7 +146,8 @@ class DataListener:
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                 return await stream.server_handshake(reader, writer, key=self._auth.hmac_key,
-                                                     max_message=self._max_message)
+                                                     max_message=self._max_message,
+                                                     hop_keys=self._worker.hop_key)
         except TimeoutError:
             self._refused(peer, f"no handshake within {HANDSHAKE_TIMEOUT_S}s")
         except AuthError as exc:
@@ -168,7 +173,7 @@ class DataListener:
                                                 watch=watch)
             if request is None:
                 return
-            opened = self._worker.open_subscription(request, "Subscribe", peer)
+            opened = self._worker.open_subscription(bytes(request), "Subscribe", peer)
         except TimeoutError:
             self._refused(peer, f"no SubscribeRequest within {HANDSHAKE_TIMEOUT_S}s")
             return
@@ -207,16 +212,18 @@ class DataListener:
             await _goodbye(writer, exc, events=True)
 
     async def _frames(self, peer: str, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> None:
-        """Messages into the stages until the client closes, or a message cannot be read."""
+                      writer: asyncio.StreamWriter, pipeline_id: str | None = None) -> None:
+        """Messages into the stages until the client closes, or a message cannot be read;
+        only of ``pipeline_id`` on a next hop's connection."""
         worker = self._worker
-        ingress = FrameIngress(worker)
+        ingress = FrameIngress(worker, pipeline_id=pipeline_id)
         inflight, reserved = worker.inflight, [0]
         idle = worker.config.frame_idle_timeout
 
-        def reserve(n: int) -> None:  # a message is buffered whole before it is parsed
-            inflight.take(n, f"a message of {n} bytes on the data connection from {peer}")
-            reserved[0] = n
+        def reserve(part: int, n: int) -> None:  # each part of a message as it is read
+            inflight.take(part, f"a message of {n} bytes on the data connection from {peer}, "
+                                f"{reserved[0]} of them read")
+            reserved[0] += part
 
         watch = stream.IdleWatch(idle)
         try:

@@ -60,11 +60,15 @@ class FrameIngress:
     against the worker's ``--max-inflight-bytes`` until it completes or fails, or until
     :meth:`close` (``worker/limits.py``). The stream's reader waits for the rest of a begun
     frame at most :attr:`idle_timeout` seconds at a time (:meth:`stalled`).
+
+    ``pipeline_id``: the stream is a next hop's, opened by that pipeline's hop credential
+    (``transport/hop.py``): a frame of any other pipeline ends it.
     """
 
-    def __init__(self, worker: IngressWorker) -> None:
+    def __init__(self, worker: IngressWorker, *, pipeline_id: str | None = None) -> None:
         cfg = worker.config
         self._worker = worker
+        self._pipeline_id = pipeline_id
         self._asm = FrameAssembler(max_bytes=min(cfg.max_frame_tensor_bytes, cfg.max_frame_bytes),
                                    max_tensors=cfg.max_tensors_per_frame)
         self._budget = FrameBudget(cfg.max_frame_bytes, cfg.max_tensors_per_frame)
@@ -109,13 +113,19 @@ class FrameIngress:
         frame: it is reported to the frame's caller.
 
         Raises:
-            PipelineKeyError: the message is for a loaded pipeline but lacks its key; the
-                stream ends (nothing is reported to the pipeline's own subscription, which a
-                sender without the key must not be able to reach).
+            PipelineKeyError: the message is for a loaded pipeline but lacks its key, or, on a
+                hop's stream, is of another pipeline than the stream's; the stream ends
+                (nothing is reported to the pipeline's own subscription, which a sender
+                without the key must not be able to reach).
         """
         self.messages += 1
         worker, cfg = self._worker, self._worker.config
         header = header_of(msg.msg)
+        if self._pipeline_id is not None and header.pipeline_id != self._pipeline_id:
+            raise PipelineKeyError(
+                f"frame for pipeline {header.pipeline_id[:64]!r} on worker {worker.address} "
+                f"came on a next hop's stream of pipeline {self._pipeline_id[:64]!r}: a hop "
+                f"credential opens only its own pipeline's frames; the stream is ended")
         runtime = worker.runtime_for(header.pipeline_id, header.stage)
         if runtime is not None and not worker.key_matches(header.pipeline_id, header.key):
             raise PipelineKeyError(

@@ -80,44 +80,57 @@ class FrameBudget:
     """Counts what one frame on a ``Push`` stream has brought so far against the frame limits.
 
     The :class:`~jaxdist.core.transport.frames.FrameAssembler` checks each tensor's declared size and
-    the number of distinct tensors; this counts the bytes that arrived for the whole frame, across
-    its messages and tensors, and the tensors that began, before the assembler copies anything.
+    the number of distinct tensors; this counts, for the whole frame, across its messages and
+    tensors, the sizes its tensors declare and the bytes that arrived, and the tensors that
+    began, before the assembler copies anything.
 
     Args:
         max_bytes: most tensor bytes in one frame (``--max-frame-bytes``).
         max_tensors: most tensors in one frame (``--max-tensors-per-frame``).
     """
 
-    __slots__ = ("_bytes", "_tensors", "max_bytes", "max_tensors")
+    __slots__ = ("_bytes", "_declared", "_tensors", "max_bytes", "max_tensors")
 
     def __init__(self, max_bytes: int, max_tensors: int) -> None:
         self.max_bytes = max_bytes
         self.max_tensors = max_tensors
         self._bytes = 0
+        self._declared = 0
         self._tensors = 0
 
     def add(self, chunks: Sequence[Any], header: Any) -> int:
         """Count one message's chunks (``codec.Chunk`` tuples) of the frame ``header`` names.
 
         Returns:
-            the bytes these chunks make the worker hold: a tensor's buffer is allocated at its
-            declared size when its first chunk (the one at offset 0) arrives.
+            the bytes these chunks make the worker hold: the tensor data they bring. A tensor's
+            buffer is allocated at its declared size when its first chunk arrives, uninitialized
+            (``codec.TensorAssembler``): its pages cost memory only once the chunks written into
+            them arrive, so a frame holds what it was sent, not what it declared.
 
         Raises:
-            LimitError: the frame is over either limit; :meth:`reset` before the next frame.
+            LimitError: the frame is over either limit, in the bytes that arrived or in the
+                sizes its tensors declare (refused up front, before their bytes arrive);
+                :meth:`reset` before the next frame.
         """
-        n, t, held = self._bytes, self._tensors, 0
+        n, t, declared = self._bytes, self._tensors, self._declared
         for chunk in chunks:
             size = len(chunk[3])
             n += size
             if chunk[4] == 0:  # a tensor's first chunk is the one at offset 0
                 t += 1
-                held += max(size, chunk[5])
-        self._bytes, self._tensors = n, t
+                one = max(size, chunk[5])
+                if one <= self.max_bytes:  # a tensor over it alone: the assembler says so
+                    declared += one
+        held = n - self._bytes
+        self._bytes, self._tensors, self._declared = n, t, declared
         if n > self.max_bytes:
             raise LimitError(f"frame of session {header.session_id!r} step {header.step} is over "
                              f"the frame size limit (--max-frame-bytes={self.max_bytes}): "
                              f"{n} bytes of tensor data so far")
+        if declared > self.max_bytes:
+            raise LimitError(f"frame of session {header.session_id!r} step {header.step} is over "
+                             f"the frame size limit (--max-frame-bytes={self.max_bytes}): its "
+                             f"tensors declare {declared} bytes so far")
         if t > self.max_tensors:
             raise LimitError(f"frame of session {header.session_id!r} step {header.step}: more "
                              f"than {self.max_tensors} tensors in one frame, the tensor count "
@@ -126,16 +139,22 @@ class FrameBudget:
 
     def reset(self) -> None:
         self._bytes = 0
+        self._declared = 0
         self._tensors = 0
 
 
 class InflightBytes:
     """The bytes of frames a worker is receiving, all its streams together (on the loop only).
 
-    A frame's tensors are allocated at their declared sizes as their first chunks arrive, and a
-    data connection's message is buffered whole before it is parsed; each is counted here until
-    the frame completes, fails or its stream ends. Without the bound, a few streams that each
-    declare a 1 GiB tensor and stall would hold gigabytes between them.
+    What counts is what arrived, not what was declared: the tensor data of a frame's messages
+    as they are taken, and on a data connection each part of a message as it is read
+    (``stream.read_message``), until the frame completes, fails or its stream ends. A declared
+    size is checked only against the per-frame limits (``--max-frame-bytes``, the tensor and
+    message limits), up front; the buffers it sizes are allocated uninitialized, so their pages
+    cost memory only once written. Without this bound, a few streams that each send most of a
+    1 GiB frame and stall would hold gigabytes between them; and were the declared sizes
+    counted instead, a stream that declares 1 GiB and sends nothing would keep the budget from
+    everyone else.
 
     Args:
         limit: the most bytes held at once (``--max-inflight-bytes``).

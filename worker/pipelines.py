@@ -13,17 +13,20 @@ the lease's seconds: a coordinator killed or cut off leaves no stage behind to h
 
 from __future__ import annotations
 
+import gc
 import hmac
 import logging
 import threading
 import time
 from collections.abc import Callable
 
+from jaxdist.core import heap
 from jaxdist.core.errors import PipelineKeyError, SpecError
 from jaxdist.core.runtime import StageRuntime
 from jaxdist.core.weights.uri import clip
 
-__all__ = ["LEASE_PERIOD_S", "MAX_KEY_BYTES", "MAX_LEASE_S", "MIN_KEY_BYTES", "LoadedPipelines"]
+__all__ = ["LEASE_PERIOD_S", "MAX_KEY_BYTES", "MAX_LEASE_S", "MIN_KEY_BYTES", "LoadedPipelines",
+           "stop_unloaded"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,20 @@ MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 64
 LEASE_PERIOD_S = 1.0
 """How often leases are checked."""
 MAX_LEASE_S = 86400.0
+
+
+def stop_unloaded(runtimes: list[StageRuntime]) -> int:
+    """Stop the stages just taken out (emptying ``runtimes``), then give their memory back:
+    a collection for the cycles that hold a stage's executables and buffers, and the free heap
+    to the OS (``heap.release_free_heap``), else a worker that loads and unloads stages keeps
+    its peak resident. Returns how many were stopped."""
+    n = len(runtimes)
+    while runtimes:
+        runtimes.pop().stop()
+    if n:
+        gc.collect()
+        heap.release_free_heap()
+    return n
 
 
 class LoadedPipelines:
@@ -71,6 +88,11 @@ class LoadedPipelines:
         """Whether ``key`` is ``pipeline_id``'s key; a pipeline loaded nowhere here has none,
         and matches nothing but the empty key. Compared in constant time."""
         return hmac.compare_digest(self._keys.get(pipeline_id, b""), key)
+
+    def hop_key(self, pipeline_id: str) -> bytes | None:
+        """The key of ``pipeline_id`` (``b""``: it has none), which its hop credential is made
+        from (``transport/hop.py``); ``None`` when no stage of it is loaded here."""
+        return self._keys.get(pipeline_id)
 
     def opens(self, pipeline_id: str, key: bytes) -> bool:
         """Whether ``key`` opens ``pipeline_id``: its key, or any key for a pipeline not
@@ -199,9 +221,8 @@ class LoadedPipelines:
                 keys = [k for k in self._stages if k[0] == pipeline_id]
                 runtimes = [self._stages.pop(k) for k in keys]
                 self._forget_keys()
-            for rt in runtimes:
-                rt.stop()
-            if runtimes:
+            n = stop_unloaded(runtimes)
+            if n:
                 log.warning("pipeline %s: no coordinator has subscribed to it for %.0f s "
                             "(its lease); unloaded its %d stage(s)", pipeline_id[:64],
-                            lease[0], len(runtimes))
+                            lease[0], n)

@@ -11,7 +11,9 @@ compile or weight load never stalls the loop.
 
 Credentials (``jaxdist.core.transport.security``): with TLS the port is a secure port (mutual TLS when
 a CA is given); with a token, an interceptor refuses every call without it before the servicer
-sees the call, except the health checks (``grpc.health.v1``, served here too: ``worker/health.py``).
+sees the call, except the health checks (``grpc.health.v1``, served here too: ``worker/health.py``)
+and a previous stage's ``Push`` that presents the hop credential of a pipeline loaded here
+(``jaxdist.core.transport.hop``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from jaxdist.core.errors import TransportError
 from jaxdist.core.openfiles import FD_RESERVE, connection_limit, raise_fd_limit
 from jaxdist.core.transport import wire
 from jaxdist.core.transport.channel import SERVER_OPTIONS
-from jaxdist.core.transport.security import ServerAuth
+from jaxdist.core.transport.security import ServerAuth, TokenInterceptor
 from jaxdist.worker.data_listener import DataListener
 from jaxdist.worker.config import WorkerConfig
 from jaxdist.worker.servicer import WorkerServicer
@@ -105,6 +107,16 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
     thread = threading.Thread(target=loop.run_forever, name="data-plane", daemon=True)
     thread.start()
 
+    servicers: list[WorkerServicer] = []  # the one servicer, once made (after the bind)
+
+    def hop_key(pipeline_id: str) -> bytes | None:
+        return servicers[0].hop_key(pipeline_id) if servicers else None
+
+    # The token check of this server also lets through a next hop's Push that presents the hop
+    # credential of a pipeline loaded here (transport/hop.py).
+    interceptors = tuple(i.for_worker(hop_key) if isinstance(i, TokenInterceptor) else i
+                         for i in auth.interceptors)
+
     async def start() -> tuple[grpc.aio.Server, WorkerServicer, str, DataListener | None]:
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=MAX_WORKERS,
@@ -112,7 +124,7 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
             options=[*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections",
                                        connection_limit())],
             maximum_concurrent_rpcs=MAX_RPCS,
-            interceptors=auth.interceptors or None)
+            interceptors=interceptors or None)
         try:
             if auth.credentials is not None:
                 bound = server.add_secure_port(listen, auth.credentials)
@@ -124,6 +136,7 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
             raise TransportError(f"cannot listen on {listen}: address in use or not available")
         address = f"{host}:{bound}"
         servicer = WorkerServicer(config, address=address)
+        servicers.append(servicer)
         data = None
         if data_at is not None:
             data = DataListener(servicer, auth)

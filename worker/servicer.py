@@ -40,7 +40,7 @@ from jaxdist.core.runtime import StageRuntime, remote_error
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.spec import SPEC_VERSION, StageSpec, validate
 from jaxdist.core.stage import WorkerStage
-from jaxdist.core.transport import status, wire
+from jaxdist.core.transport import hop, status, wire
 from jaxdist.core.transport.frames import FrameView
 from jaxdist.core.transport.trust import check_hop
 from jaxdist.core.weights import WeightCache
@@ -59,7 +59,7 @@ from jaxdist.worker.limits import (
     next_within,
 )
 from jaxdist.worker.loads import CallerLeft, Load, Loads
-from jaxdist.worker.pipelines import LoadedPipelines
+from jaxdist.worker.pipelines import LoadedPipelines, stop_unloaded
 from jaxdist.worker.runtime import (
     HEARTBEAT,
     GrpcRoute,
@@ -128,7 +128,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.registry = ArtifactCache(config.artifact_cache,
                                       max_bytes=config.max_artifact_cache_bytes,
                                       in_use=self._artifacts_in_use)
-        self.hub = Hub(config.max_subscriber_events, config.max_subscriber_bytes)
+        self.hub = Hub(config.max_subscriber_events, config.max_subscriber_bytes,
+                       config.max_queued_event_bytes)
         self.peers = PeerPool(config.peer_auth, config.peer_trust)
         self._all_devices = list(config.devices) if config.devices is not None else None
         # The worker's own directive narrows what stages may ask for.
@@ -283,6 +284,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """Whether ``key`` is ``pipeline_id``'s key (``LoadedPipelines.key_matches``)."""
         return self.pipelines.key_matches(pipeline_id, key)
 
+    def hop_key(self, pipeline_id: str) -> bytes | None:
+        """The key ``pipeline_id``'s hop credential is made from here (``b""``: none, the token
+        then), ``None`` when it is not loaded here (``LoadedPipelines.hop_key``)."""
+        return self.pipelines.hop_key(pipeline_id)
+
     def _check_hops(self, spec: StageSpec, pipeline_id: str) -> None:
         """Refuse, before anything is loaded or dialled, a stage whose next hops this worker may
         not send its frames and credentials to (``transport.trust.check_hop``)."""
@@ -353,10 +359,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if stage.spec.next_data_hop:
             route = TcpRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub,
                              auth=self.config.peer_auth, address=self.address,
-                             trust=self.config.peer_trust)
+                             trust=self.config.peer_trust, key=request.pipeline_key)
         else:
             route = GrpcRoute(stage.spec, pipeline_id=pipeline_id, hub=self.hub,
-                              peers=self.peers, address=self.address)
+                              peers=self.peers, address=self.address,
+                              key=request.pipeline_key)
         log.info("stage %s sends its frames over %s to %s", stage_id, route.kind,
                  stage.spec.next_data_hop or stage.spec.next_hop or "its callers")
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
@@ -386,10 +393,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def UnloadStage(self, request: pb.UnloadStageRequest, context: grpc.ServicerContext
                     ) -> pb.UnloadStageReply:
         check_ids("UnloadStage", self.config.max_id_bytes, stage_id=request.stage_id)
-        runtimes = self.pipelines.unload(request.stage_id)
-        for rt in runtimes:
-            rt.stop()
-        return pb.UnloadStageReply(unloaded=bool(runtimes))
+        # Stopped, and their memory given back (stop_unloaded), before the reply
+        stopped = stop_unloaded(self.pipelines.unload(request.stage_id))
+        return pb.UnloadStageReply(unloaded=bool(stopped))
 
     @_rpc
     def DescribeWeights(self, request: pb.DescribeWeightsRequest, context: grpc.ServicerContext
@@ -438,7 +444,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _push(self, request_iterator: AsyncIterator[FrameView],
                     context: grpc.aio.ServicerContext) -> pb.PushAck:
         peer = context.peer()
-        ingress = FrameIngress(self)
+        # A next hop's stream: its hop credential (checked by the token interceptor) opens
+        # that one pipeline, so every frame on it must be of that pipeline.
+        given = hop.presented(context.invocation_metadata())
+        ingress = FrameIngress(self, pipeline_id=given[0] if isinstance(given, tuple) else None)
         try:
             with self.streams.hold("Push", peer):
                 messages = aiter(request_iterator)

@@ -8,11 +8,14 @@ pipeline. A write waits while the socket's buffer is full: TCP's flow control sl
 when the next one does not read. Errors of a frame go to the caller's subscription, as for
 :class:`~jaxdist.worker.runtime.GrpcRoute`.
 
-The connection is made at the first frame, with the worker's own token and TLS files: the
-token is proven (``stream.client_handshake``), never sent. A next hop that cannot be reached, or
-a connection that breaks, is a ``TransportError`` (``UNAVAILABLE``) naming the next stage and
-its address, the error :class:`~jaxdist.worker.runtime.GrpcRoute` reports, so the coordinator
-fails over the same way. A broken connection is made anew for the next frame.
+The connection is made at the first frame, with the worker's own TLS files and the pipeline's
+hop credential (``transport/hop.py``: made from the pipeline's key, or for a pipeline without
+one from the token), proven for the connection's nonce (``stream.client_handshake``), never
+sent. Nothing of the token goes to the next hop, and the connection carries this pipeline's
+frames only. A next hop that cannot be reached, or a connection that breaks, is a
+``TransportError`` (``UNAVAILABLE``) naming the next stage and its address, the error
+:class:`~jaxdist.worker.runtime.GrpcRoute` reports, so the coordinator fails over the same
+way. A broken connection is made anew for the next frame.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from jaxdist.core.errors import LimitError, TransportError
 from jaxdist.core.spec import StageSpec
-from jaxdist.core.transport import stream
+from jaxdist.core.transport import hop, stream
 from jaxdist.core.transport.dataconn import DataConnection, open_connection
 from jaxdist.core.transport.frames import FrameHeader, split_frame
 from jaxdist.core.transport.security import ClientAuth
@@ -43,20 +46,23 @@ class TcpRoute:
         spec: the stage's spec; ``next_data_hop`` and ``next_hop`` are the next worker's.
         pipeline_id: the pipeline the stage belongs to.
         hub: the worker's subscriptions (a frame's errors go to its caller there).
-        auth: this worker's token and TLS towards its next hops (``WorkerConfig.peer_auth``).
+        auth: this worker's token and TLS towards its next hops (``WorkerConfig.peer_auth``);
+            the token only makes the hop credential of a pipeline without a key.
         address: this worker's address, for error reports.
         trust: the next hops this worker may dial (``WorkerConfig.peer_trust``), checked
             before each connection is opened.
+        key: the pipeline's key (``b""``: none), which its hop credential is made from.
     """
 
     wants_host = True
     kind = "tcp"
 
     def __init__(self, spec: StageSpec, *, pipeline_id: str, hub: Hub, auth: ClientAuth,
-                 address: str, trust: PeerTrust | None = None) -> None:
+                 address: str, trust: PeerTrust | None = None, key: bytes = b"") -> None:
         self._spec = spec
         self._trust = trust or PeerTrust()
         self._pipeline_id = pipeline_id
+        self._credential = hop.credential(pipeline_id, key, auth.hmac_key)
         self._hub = hub
         self._auth = auth
         self._address = address
@@ -69,11 +75,13 @@ class TcpRoute:
                 f"{spec.next_hop} (data port {spec.next_data_hop})")
 
     async def _connect(self) -> DataConnection:
-        hop = self._spec.next_data_hop
-        check_hop(hop, self._auth, self._trust, stage=f"stage {self._spec.stage_index} of "
-                                                      f"pipeline {self._pipeline_id[:64]}")
-        return await open_connection(hop, where=self._where(), key=self._auth.hmac_key,
-                                     context=self._auth.ssl_context)
+        address = self._spec.next_data_hop
+        check_hop(address, self._auth, self._trust, stage=f"stage {self._spec.stage_index} "
+                                                          f"of pipeline {self._pipeline_id[:64]}")
+        return await open_connection(address, where=self._where(), key=None,
+                                     context=self._auth.ssl_context,
+                                     hop_pipeline=self._pipeline_id,
+                                     hop_credential=self._credential)
 
     async def forward(self, header: FrameHeader, outputs: Mapping[str, Any]) -> None:
         if not self._spec.next_data_hop:  # the servicer gives a TcpRoute only to such stages

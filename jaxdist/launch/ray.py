@@ -23,9 +23,9 @@ Decisions:
 * **Next hops.** A worker sends frames only to hops it trusts (SECURITY.md, "What a worker
   sends, and to whom"). On several nodes without mutual TLS each worker is started with
   ``--peer-allow IP`` for every node IP of its placement group: the group's nodes trust each
-  other, as Ray's own nodes do. With ``tls_ca`` the cluster's CA decides instead. A token in
-  plaintext between nodes still needs ``--insecure-token`` (``extra_args``), said by the worker
-  that refuses it.
+  other, as Ray's own nodes do. With ``tls_ca`` the cluster's CA decides instead. Workers with
+  a token still need ``--insecure-token`` (``extra_args``) to send hop credentials in
+  plaintext between nodes, said by the worker that refuses it.
 * **Devices.** Ray sets ``CUDA_VISIBLE_DEVICES`` (``TPU_VISIBLE_CHIPS`` for TPUs) of each actor to
   its bundle's accelerators and the worker inherits it, so a worker holding one GPU sees it as
   ``cuda:0``, whichever GPU of the node it is. The default directive follows the bundle:

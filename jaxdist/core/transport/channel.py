@@ -203,13 +203,13 @@ class AsyncFrameSender:
         push: the peer's ``Push`` method on an aio channel
             (:func:`jaxdist.core.transport.wire.push_method`).
         address: the peer's ``HOST:PORT``, for error messages.
-        metadata: call metadata (e.g. a bearer token).
+        metadata: call metadata (a next hop's stream: its pipeline's hop credential).
     """
 
     WATCH_S = 1.0
 
     def __init__(self, push: Any, address: str, *,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 metadata: tuple[tuple[str, str | bytes], ...] = ()) -> None:
         self.address = address
         self._error: TransportError | None = None
         self._closed = False

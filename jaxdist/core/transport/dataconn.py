@@ -3,10 +3,12 @@
 :func:`open_connection` dials ``HOST:PORT``, with TLS when given a context, and runs the client
 half of the handshake of :mod:`jaxdist.core.transport.stream` for one mode: frames (a stage
 sending to the next one: ``worker/tcp_route.py``; a coordinator sending to stage 0) or events
-(a coordinator's subscription: ``jaxdist/coordinator/datapath.py``). The token is proven, never
-sent. Every failure to connect is a typed error that names ``where``: a refused, unreachable or
-timed-out hop is a :class:`TransportError` (``UNAVAILABLE``), so callers fail over the same way
-whatever the transport. Used on an event loop only.
+(a coordinator's subscription: ``jaxdist/coordinator/datapath.py``). A coordinator proves the
+token, never sending it; a worker's stage proves its pipeline's hop credential instead
+(``transport/hop.py``), so nothing of the token goes to a next hop. Every failure to connect
+is a typed error that names ``where``: a refused, unreachable or timed-out hop is a
+:class:`TransportError` (``UNAVAILABLE``), so callers fail over the same way whatever the
+transport. Used on an event loop only.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ class DataConnection:
 
 async def open_connection(hop: str, *, where: str, key: bytes | None,
                           context: ssl.SSLContext | None, mode: int = stream.MODE_FRAMES,
-                          watch: bool = True, timeout: float = CONNECT_TIMEOUT_S
+                          watch: bool = True, timeout: float = CONNECT_TIMEOUT_S,
+                          hop_pipeline: str | None = None, hop_credential: bytes | None = None
                           ) -> DataConnection:
     """Connect to the data port ``hop`` (``HOST:PORT``) and pass its handshake for ``mode``.
 
@@ -97,6 +100,8 @@ async def open_connection(hop: str, *, where: str, key: bytes | None,
         key: the token to prove (``None``: none is held).
         context: TLS for the connection; ``None``: plaintext.
         watch: read the server's goodbye in a task of the connection (frames mode).
+        hop_pipeline: a worker's stage sending to the next one: prove this pipeline's
+            ``hop_credential`` instead of ``key`` (``stream.client_handshake``).
 
     Raises:
         TransportError: refused, unreachable, reset, a TLS failure, or no handshake within
@@ -112,7 +117,8 @@ async def open_connection(hop: str, *, where: str, key: bytes | None,
                 host, int(port), ssl=context, server_hostname=host if context else None)
             try:
                 hello = await stream.client_handshake(reader, writer, key=key, peer=hop,
-                                                      mode=mode)
+                                                      mode=mode, hop_pipeline=hop_pipeline,
+                                                      hop_credential=hop_credential)
             except BaseException:
                 writer.close()
                 raise

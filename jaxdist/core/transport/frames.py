@@ -109,7 +109,7 @@ class FrameView:
         self.chunks = chunks
 
 
-def _malformed(what: str, data: bytes, exc: DecodeError) -> CodecError:
+def _malformed(what: str, data: bytes | memoryview, exc: DecodeError) -> CodecError:
     return CodecError(f"malformed {what} ({len(data)} bytes): {exc}")
 
 
@@ -128,7 +128,7 @@ def _scan_frame(view: memoryview, start: int, end: int) -> FrameView:
         raise _malformed("Frame header fields", data, exc) from None
 
 
-def parse_frame(data: bytes) -> FrameView:
+def parse_frame(data: bytes | memoryview) -> FrameView:
     """Deserialize a ``Frame`` (the ``Push`` stream's request deserializer).
 
     Raises:
@@ -153,7 +153,7 @@ class EventView:
         self.result = result
 
 
-def parse_event(data: bytes) -> EventView:
+def parse_event(data: bytes | memoryview) -> EventView:
     """Deserialize an ``Event`` (the ``Subscribe`` stream's response deserializer).
 
     Raises:

@@ -5,9 +5,11 @@ both ends:
 
 * :func:`server_auth` (the worker): server credentials (TLS; mutual TLS when a CA is given, which
   requires and verifies a client certificate) and an interceptor that checks the bearer token on
-  every call before its handler is entered.
+  every call before its handler is entered (or, on a next hop's ``Push``, the pipeline's hop
+  credential: ``transport/hop.py``).
 * :func:`client_auth` (the coordinator, the CLI, and a worker dialling its next hop): call metadata
-  (``authorization: Bearer <token>``) and channel credentials.
+  (``authorization: Bearer <token>``) and channel credentials. A worker sends its next hops
+  no token: only its TLS, and hop credentials made from the pipeline's key or the token.
 
 A worker and its clients must agree: the same token file, and certificates that chain to the CA
 each side verifies with. A refused call gets ``UNAUTHENTICATED``; a TLS handshake that fails
@@ -38,6 +40,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from jaxdist.core.errors import AuthError
+from jaxdist.core.transport import hop
 
 __all__ = ["TOKENLESS_METHODS", "ClientAuth", "RefusalLog", "ServerAuth", "TokenInterceptor",
            "client_auth", "connection_hint", "exposure_warning", "is_loopback", "read_token",
@@ -210,8 +213,9 @@ class ClientAuth:
 
     metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     credentials: grpc.ChannelCredentials | None = None  # None: plaintext
-    # The same token and TLS for a worker's data connections (transport/stream.py): the token
-    # keys the proof and is never sent; the context is TLS from the same files.
+    # The same token and TLS for data connections (transport/stream.py): a coordinator's token
+    # keys its proof, a worker's the hop credentials of pipelines without a key; never sent.
+    # The context is TLS from the same files.
     hmac_key: bytes | None = field(default=None, repr=False)
     ssl_context: ssl.SSLContext | None = None  # None: plaintext
     # The peers' certificates are verified against the CA given (--tls-ca), not the system's
@@ -312,18 +316,47 @@ def _clipped(text: str, limit: int) -> str:
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``.
+    """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``, except a
+    ``Push`` that presents a hop credential (``transport/hop.py``) of a pipeline loaded here.
 
     It runs before the method's handler is chosen, so a refused call never reaches the servicer:
     nothing of it runs, and its request is not even read. The token is compared in constant time.
     The health checks of :data:`TOKENLESS_METHODS` pass without it.
+
+    Args:
+        hop_keys: the keys of the pipelines loaded on this worker (``hop.HopKeys``), which
+            check a hop's credential; ``None``: hop credentials open nothing (see
+            :meth:`for_worker`).
     """
 
     LOG_INTERVAL_S = 10.0  # at most one log line per kind of refusal in this interval
 
-    def __init__(self, token: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, token: str, *, clock: Callable[[], float] = time.monotonic,
+                 hop_keys: hop.HopKeys | None = None) -> None:
+        self._token = token
         self._expected = f"Bearer {token}".encode("ascii")
+        self._clock = clock
+        self._hop_keys = hop_keys
         self._refusals = RefusalLog(log, self.LOG_INTERVAL_S, clock=clock)
+
+    def for_worker(self, hop_keys: hop.HopKeys) -> TokenInterceptor:
+        """The same check for one worker's server, which also lets through the hop streams of
+        the pipelines ``hop_keys`` finds loaded there."""
+        return TokenInterceptor(self._token, clock=self._clock, hop_keys=hop_keys)
+
+    def check_hop(self, method: str, given: tuple[str, bytes] | str) -> str | None:
+        """``None`` when a call of ``method`` may go on with the hop credential ``given``
+        (:func:`hop.presented`), else why it is refused."""
+        if isinstance(given, str):
+            return given
+        pipeline_id, credential = given
+        if method != hop.PUSH_METHOD:
+            return (f"wrong credentials: a hop credential (of pipeline {pipeline_id[:64]!r}) "
+                    f"opens only Push, not {method[:100]}")
+        if self._hop_keys is None:
+            return "wrong credentials: this worker takes no hop credentials"
+        return hop.check(pipeline_id, credential, key=self._hop_keys(pipeline_id),
+                         token=self._token.encode("ascii"))
 
     def _log_refusal(self, method: str, kind: str) -> None:
         self._refusals.refused(method, kind)
@@ -349,7 +382,12 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         if handler_call_details.method in TOKENLESS_METHODS:
             return await continuation(handler_call_details)
-        problem = self.check(handler_call_details.invocation_metadata)
+        metadata = handler_call_details.invocation_metadata
+        problem = self.check(metadata)
+        if problem is not None and not any(k == AUTH_HEADER for k, _ in metadata or ()):
+            given = hop.presented(metadata)  # a worker forwarding a pipeline's frames
+            if given is not None:
+                problem = self.check_hop(str(handler_call_details.method), given)
         if problem is None:
             return await continuation(handler_call_details)
         self._log_refusal(str(handler_call_details.method), problem.split(":")[0])

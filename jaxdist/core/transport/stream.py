@@ -11,6 +11,7 @@ Wire format, version :data:`VERSION` (integers little-endian)::
 
     server -> client   hello     MAGIC | version u8 | flags u8 | max_message u32 | nonce (32)
     client -> server   answer    MAGIC | version u8 | proof (32) [| mode u8]
+                  or hop answer  MAGIC | 3 | hop proof (32) | length u16 | pipeline id (UTF-8)
     server -> client   verdict   a status record; empty: accepted
 
 then, in the connection's mode:
@@ -22,16 +23,23 @@ then, in the connection's mode:
                        server -> client   length u32 | one serialized Event   (repeated)
                                           then at most a goodbye: length 0, a status record
 
-An answer of version 1 has no mode byte and asks for frames (what a worker's
-``TcpRoute`` sends); an answer of version 2 carries the mode. A server that takes version 2
+An answer of version 1 has no mode byte and asks for frames (what a coordinator sends to
+stage 0); an answer of version 2 carries the mode. A server that takes version 2
 says so in its hello's flags (:data:`FLAG_MODES`): an older one is never sent an answer it
 cannot read. The events mode is a coordinator's subscription (``Subscribe`` without gRPC).
+
+A worker's stage sending to the next stage's worker gives a hop answer (version
+:data:`HOP_VERSION`, to a server whose hello has :data:`FLAG_HOPS`): it names its pipeline and
+proves the pipeline's hop credential (``transport/hop.py``), never the token. Such a connection
+is in the frames mode and carries frames of that pipeline only.
 
 A status record is ``length u32 | UTF-8 text``, the text ``CODE\\nErrorClass\\nmessage``: a
 status code name as on gRPC, read back into an error class by ``transport/status.py``.
 ``proof`` is ``HMAC-SHA256(token, nonce + CONTEXT)`` when the hello's flags ask for a token
 (:data:`FLAG_TOKEN`), else 32 zero bytes: the token never crosses the wire, and a recorded proof
-is worth nothing for another nonce.
+is worth nothing for another nonce. ``hop proof`` is ``HMAC-SHA256(credential, nonce +
+HOP_CONTEXT)``, ``credential`` the named pipeline's hop credential, when the hello asks for a
+token, else 32 zero bytes: a relay learns nothing that opens another pipeline or any call.
 ``max_message`` is the largest message the server reads; a sender checks its messages against it
 before writing, and the server refuses a longer declared length before reading it.
 
@@ -46,6 +54,7 @@ import asyncio
 import functools
 import hashlib
 import hmac
+import mmap
 import secrets
 import struct
 from collections.abc import Callable
@@ -53,11 +62,12 @@ from collections.abc import Callable
 import grpc
 
 from jaxdist.core.errors import AuthError, CodecError, JaxdistError, LimitError, TransportError
-from jaxdist.core.transport import status
+from jaxdist.core.transport import hop, status
 
-__all__ = ["CONTEXT", "FLAG_MODES", "FLAG_TOKEN", "MAGIC", "MODE_EVENTS", "MODE_FRAMES",
-           "VERSION", "Hello", "IdleWatch", "client_handshake", "proof", "read_message",
-           "read_status", "server_handshake", "write_goodbye", "write_message", "write_status"]
+__all__ = ["CONTEXT", "FLAG_HOPS", "FLAG_MODES", "FLAG_TOKEN", "HOP_CONTEXT", "HOP_VERSION",
+           "MAGIC", "MODE_EVENTS", "MODE_FRAMES", "VERSION", "Hello", "IdleWatch",
+           "client_handshake", "hop_proof", "proof", "read_message", "read_status",
+           "server_handshake", "write_goodbye", "write_message", "write_status"]
 
 MAGIC = b"JXDD"
 VERSION = 1
@@ -66,6 +76,10 @@ CONTEXT = b"jaxdist data connection, protocol version 1: client proof"
 proof made for anything else is no proof here."""
 FLAG_TOKEN = 1  # the server requires a proof of the token
 FLAG_MODES = 2  # the server reads answers of version 2 (with a mode byte)
+FLAG_HOPS = 4  # the server reads hop answers (version 3: a pipeline's hop credential)
+HOP_VERSION = 3
+HOP_CONTEXT = b"jaxdist data connection, protocol version 3: hop proof"
+"""What a hop proof is bound to besides the nonce (a token proof is never a hop proof)."""
 MODE_FRAMES = 0  # the client sends frames
 MODE_EVENTS = 1  # the client subscribes to a pipeline's events
 MODES = {MODE_FRAMES: "frames", MODE_EVENTS: "events"}
@@ -76,11 +90,17 @@ _LEN = struct.Struct("<I")
 _HELLO = struct.Struct(f"<4sBBI{NONCE_BYTES}s")
 _ANSWER = struct.Struct(f"<4sB{hashlib.sha256().digest_size}s")
 _NO_PROOF = bytes(_ANSWER.size - 5)
+_HOP_LENGTH = struct.Struct("<H")
 
 
 def proof(key: bytes, nonce: bytes) -> bytes:
     """The client's answer to ``nonce``: ``HMAC-SHA256(key, nonce + CONTEXT)``."""
     return hmac.new(key, nonce + CONTEXT, hashlib.sha256).digest()
+
+
+def hop_proof(credential: bytes, nonce: bytes) -> bytes:
+    """A hop's answer to ``nonce``: ``HMAC-SHA256(credential, nonce + HOP_CONTEXT)``."""
+    return hmac.new(credential, nonce + HOP_CONTEXT, hashlib.sha256).digest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,8 +177,14 @@ class IdleWatch:
 
 async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str, *,
                        wait: float | None = None, watch: IdleWatch | None = None,
-                       reserve: Callable[[int], None] | None = None) -> bytes | None:
+                       reserve: Callable[[int, int], None] | None = None
+                       ) -> bytes | memoryview | None:
     """The next message; ``None`` when the peer closed between messages.
+
+    A message longer than :data:`READ_STEP_BYTES` is read in parts of that size, each copied
+    into one buffer of the message's length (an anonymous map) as it arrives, and returned as a
+    (writable) ``memoryview`` of it: the parts are never joined into a second copy, and the
+    buffer's pages cost memory only once written, not at the declared length.
 
     Args:
         max_bytes: the longest message accepted; a longer declared length is refused before a
@@ -167,8 +193,10 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str,
         wait: the longest wait for a message's length (its first 4 bytes); ``None``: no bound.
         watch: once the length is read, the bound on each wait for more of the message (each
             part of :data:`READ_STEP_BYTES`), the connection's one timer; ``None``: no bound.
-        reserve: called with a message's length before its bytes are read (it may refuse them
-            by raising).
+        reserve: ``reserve(part, length)`` is called before each part of a message is read,
+            with the part's size (at most :data:`READ_STEP_BYTES`) and the message's declared
+            length: what the message holds grows with what arrives. It may refuse the part by
+            raising.
 
     Raises:
         LimitError: the declared length is over ``max_bytes``.
@@ -189,18 +217,23 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int, limit: str,
     if n > max_bytes:
         raise LimitError(f"a message on the data connection declares {n} bytes, over this "
                          f"worker's limit of {max_bytes} bytes per message ({limit})")
-    if reserve is not None:
-        reserve(n)
     got = 0
     try:
         read = reader.readexactly if watch is None else functools.partial(watch.read, reader)
         if n <= READ_STEP_BYTES:
+            if reserve is not None:
+                reserve(n, n)
             return await read(n)
-        parts = []
+        # private and anonymous: a page costs memory once written, and all of it goes back
+        # to the OS when the message is freed
+        data = memoryview(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE))
         while got < n:
-            parts.append(await read(min(READ_STEP_BYTES, n - got)))
-            got += len(parts[-1])
-        return b"".join(parts)
+            step = min(READ_STEP_BYTES, n - got)
+            if reserve is not None:
+                reserve(step, n)
+            data[got:got + step] = await read(step)
+            got += step
+        return data
     except asyncio.IncompleteReadError as exc:
         raise TransportError(f"the data connection closed after {got + len(exc.partial)} of a "
                              f"message's {n} bytes") from None
@@ -259,9 +292,11 @@ class Hello:
 
 
 async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                           key: bytes | None, max_message: int) -> int:
+                           key: bytes | None, max_message: int,
+                           hop_keys: hop.HopKeys | None = None) -> tuple[int, str | None]:
     """The server's half: send the hello, check the answer, send the verdict. Returns the
-    connection's mode (:data:`MODE_FRAMES` or :data:`MODE_EVENTS`).
+    connection's mode (:data:`MODE_FRAMES` or :data:`MODE_EVENTS`), and the pipeline a hop
+    answer named (``None`` for any other answer): the connection's frames must all be of it.
 
     Bound it in time (``asyncio.timeout``): a client that never answers holds the connection
     until then. A refusal is sent to the client before the error is raised.
@@ -269,30 +304,48 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     Args:
         key: the token the client must prove it holds; ``None``: no proof is asked for.
         max_message: the longest message this server reads (sent in the hello).
+        hop_keys: the keys of the pipelines loaded here, to check a hop answer's proof
+            (``transport/hop.py``); ``None``: hop answers are not taken.
 
     Raises:
-        AuthError: no proof or a wrong one, compared in constant time.
+        AuthError: no proof or a wrong one, compared in constant time; a hop answer for a
+            pipeline not loaded here.
         CodecError: the client does not speak this protocol or version.
         TransportError: the client closed the connection first.
     """
     nonce = secrets.token_bytes(NONCE_BYTES)
-    writer.write(_HELLO.pack(MAGIC, VERSION, FLAG_MODES | (FLAG_TOKEN if key is not None else 0),
-                             max_message, nonce))
+    flags = (FLAG_MODES | (FLAG_TOKEN if key is not None else 0)
+             | (FLAG_HOPS if hop_keys is not None else 0))
+    writer.write(_HELLO.pack(MAGIC, VERSION, flags, max_message, nonce))
     mode = MODE_FRAMES
+    name = b""
     try:
         magic, version, given = _ANSWER.unpack(await reader.readexactly(_ANSWER.size))
         if magic == MAGIC and version == 2:
             mode = (await reader.readexactly(1))[0]
+        elif magic == MAGIC and version == HOP_VERSION and hop_keys is not None:
+            (n,) = _HOP_LENGTH.unpack(await reader.readexactly(_HOP_LENGTH.size))
+            name = await reader.readexactly(n)
     except asyncio.IncompleteReadError:
         raise TransportError("the client closed the data connection during the handshake"
                              ) from None
+    versions = (VERSION, 2, HOP_VERSION) if hop_keys is not None else (VERSION, 2)
+    pipeline: str | None = None
     error: JaxdistError | None = None
     if magic != MAGIC:
         error = CodecError("not a jaxdist data connection: the answer does not begin with "
                            f"{MAGIC!r}")
-    elif version not in (VERSION, 2):
+    elif version not in versions:
         error = CodecError(f"the client speaks data protocol version {version}; this worker "
-                           f"speaks versions {VERSION} and 2")
+                           f"speaks versions {', '.join(map(str, versions))}")
+    elif version == HOP_VERSION and hop_keys is not None:
+        try:
+            pipeline = name.decode("utf-8")
+        except UnicodeDecodeError:
+            error = CodecError("the hop answer's pipeline id is not UTF-8")
+        else:
+            if key is not None:
+                error = _hop_refusal(pipeline, given, nonce, key, hop_keys)
     elif mode not in MODES:
         error = CodecError(f"the client asks for mode {mode} of the data protocol; this worker "
                            f"knows modes {sorted(MODES)} ({', '.join(MODES.values())})")
@@ -307,20 +360,53 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     await writer.drain()
     if error is not None:
         raise error
-    return mode
+    return mode, pipeline
+
+
+def _hop_refusal(pipeline: str, given: bytes, nonce: bytes, token: bytes,
+                 hop_keys: hop.HopKeys) -> AuthError | None:
+    """Why a hop answer for ``pipeline`` with proof ``given`` is refused, if it is."""
+    shown = repr(pipeline[:64])
+    if given == _NO_PROOF:
+        return AuthError(f"missing credentials: this worker's data port requires a proof of "
+                         f"the hop credential of pipeline {shown} (made from the pipeline's "
+                         f"key, or for a pipeline without one from the workers' shared "
+                         f"--token-file)")
+    key = hop_keys(pipeline)
+    if key is None:
+        return AuthError(f"wrong credentials: a hop proof for pipeline {shown}, which is not "
+                         f"loaded on this worker")
+    credential = hop.credential(pipeline, key, token)
+    if credential is None or not hmac.compare_digest(given, hop_proof(credential, nonce)):
+        return AuthError(f"wrong credentials: the hop proof for pipeline {shown} does not "
+                         f"match that pipeline's credential (made from its key, or for a "
+                         f"pipeline without one from the workers' shared --token-file)")
+    return None
+
+
+def _token_answer(key: bytes | None, nonce: bytes, needs_token: bool) -> bytes:
+    return proof(key, nonce) if needs_token and key is not None else _NO_PROOF
 
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                           key: bytes | None, peer: str, mode: int = MODE_FRAMES) -> Hello:
+                           key: bytes | None, peer: str, mode: int = MODE_FRAMES,
+                           hop_pipeline: str | None = None,
+                           hop_credential: bytes | None = None) -> Hello:
     """The client's half: read the hello, answer it (with a proof when one is asked for and
     ``key`` is given) for a connection of ``mode``, read the verdict.
+
+    With ``hop_pipeline`` (a worker sending a stage's frames to the next one) it gives a hop
+    answer instead: it names the pipeline and proves ``hop_credential`` (``transport/hop.py``);
+    ``key`` is not used, and the connection carries that pipeline's frames only.
 
     Raises:
         AuthError: the server refused the proof, or asked for one and ``key`` is ``None``.
         CodecError: the server does not speak this protocol or version, or not ``mode`` (an
-            older worker has only frames).
+            older worker has only frames), or takes no hop answer.
         TransportError: the connection closed first.
     """
+    if hop_pipeline is not None and mode != MODE_FRAMES:
+        raise ValueError("a hop connection carries frames only")
     try:
         magic, version, flags, max_message, nonce = _HELLO.unpack(
             await reader.readexactly(_HELLO.size))
@@ -334,14 +420,25 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
         raise CodecError(f"data port {peer} speaks protocol version {version}; this worker "
                          f"speaks version {VERSION}")
     needs_token = bool(flags & FLAG_TOKEN)
-    answer = proof(key, nonce) if needs_token and key is not None else _NO_PROOF
-    if mode == MODE_FRAMES:
-        writer.write(_ANSWER.pack(MAGIC, VERSION, answer))
+    if hop_pipeline is not None:
+        name = hop_pipeline.encode("utf-8")
+        if not flags & FLAG_HOPS:
+            raise CodecError(f"data port {peer} takes no hop credentials (a jaxdist worker "
+                             f"older than version {HOP_VERSION} of its data protocol)")
+        if len(name) > 0xFFFF:
+            raise CodecError(f"pipeline id of {len(name)} bytes is too long for a hop answer")
+        answer = (hop_proof(hop_credential, nonce) if needs_token and hop_credential is not None
+                  else _NO_PROOF)
+        writer.write(_ANSWER.pack(MAGIC, HOP_VERSION, answer) + _HOP_LENGTH.pack(len(name))
+                     + name)
+    elif mode == MODE_FRAMES:
+        writer.write(_ANSWER.pack(MAGIC, VERSION, _token_answer(key, nonce, needs_token)))
     elif not flags & FLAG_MODES:
         raise CodecError(f"data port {peer} takes only frames (a jaxdist worker older than "
                          f"the {MODES.get(mode, mode)} mode of its data protocol)")
     else:
-        writer.write(_ANSWER.pack(MAGIC, 2, answer) + bytes((mode,)))
+        writer.write(_ANSWER.pack(MAGIC, 2, _token_answer(key, nonce, needs_token))
+                     + bytes((mode,)))
     await writer.drain()
     refused = await read_status(reader, peer)
     if refused is not None:

@@ -1,31 +1,33 @@
 """Where credentials may go: the next hops a worker dials, and the workers a coordinator dials.
 
 A worker forwards its stages' outputs to the ``next_hop`` (and ``next_data_hop``) a
-``LoadStage`` names, with its own credentials: its token (as ``authorization`` call metadata on
-gRPC; as the key of a proof on the data port, never sent) and its client certificate. Whoever
-may load a stage chooses that address, so the worker decides for itself, in one function
+``LoadStage`` names, with its client certificate and each pipeline's own hop credential
+(``transport/hop.py``: made from the pipeline's key, or for a pipeline without one from the
+token; as call metadata on gRPC, as the key of a proof on the data port). The token itself, or
+anything that opens more than that pipeline's frames, never goes to a hop. Whoever may load a
+stage chooses that address, so the worker decides for itself, in one function
 (:func:`check_hop`), whether it may trust the hop:
 
 1. a loopback hop (``127.0.0.0/8``, ``::1``, ``localhost``) is trusted;
 2. with mutual TLS (the worker's ``--tls-cert``, ``--tls-key`` and ``--tls-ca``) every hop is
-   dialled over TLS verified against the cluster's CA: the token leaves only once the hop has
+   dialled over TLS verified against the cluster's CA: nothing leaves before the hop has
    proven it holds a certificate of that CA naming the hop's address, so any hop is allowed;
 3. otherwise the hop must match a ``--peer-allow`` pattern (``HOST``, ``HOST:PORT``, a CIDR
    such as ``10.0.0.0/8``, or ``*``);
-4. and a token never goes in plaintext to a hop that is not loopback unless the worker was
-   started with ``--insecure-token`` (logged once per hop, as a warning).
+4. and a worker with a token never sends hop credentials in plaintext to a hop that is not
+   loopback unless it was started with ``--insecure-token`` (logged once per hop, as a
+   warning).
 
 ``LoadStage`` refuses a stage whose hop fails (``PERMISSION_DENIED``, naming the stage, the hop
 and the flags); the routes check again before they dial, so nothing is ever sent to a hop this
 function refused.
 
-How the gRPC route carries the token is chosen by :func:`peer_credentials`, so that gRPC itself
-enforces where it may go: the token is *call credentials*
-(``grpc.access_token_call_credentials``), which gRPC attaches only to a channel whose security
-handshake succeeded: TLS verified against the CA, or, in plaintext, ``local_channel_credentials``,
-whose handshake succeeds only when the connected peer address is loopback (a ``localhost`` that
-resolves elsewhere fails). Only the ``--insecure-token`` case sends it as plain metadata, on
-purpose.
+The gRPC route's channel is chosen by :func:`peer_credentials`, so that gRPC itself enforces
+where a hop's metadata may go: TLS verified against the CA, or, in plaintext,
+``local_channel_credentials``, whose handshake succeeds only when the connected peer address is
+loopback (a ``localhost`` that resolves elsewhere fails). gRPC writes no call, and no metadata,
+on a channel whose handshake failed. Only the ``--insecure-token`` case sends hop credentials
+on a plaintext channel off loopback, on purpose.
 
 The coordinator's side is :func:`check_token_destination`: it refuses to send a token in
 plaintext to a worker address that is not loopback unless ``insecure_token`` is set
@@ -44,7 +46,7 @@ from collections.abc import Iterable
 import grpc
 
 from jaxdist.core.errors import AuthError
-from jaxdist.core.transport.security import AUTH_HEADER, ClientAuth, is_loopback
+from jaxdist.core.transport.security import ClientAuth, is_loopback
 
 __all__ = ["HopDecision", "HopPattern", "PeerTrust", "check_hop", "check_token_destination",
            "parse_hop_pattern", "peer_credentials", "split_host_port"]
@@ -145,7 +147,8 @@ def parse_hop_pattern(text: str) -> HopPattern:
 
 class PeerTrust:
     """The next hops a worker may dial beyond loopback and its cluster's CA (``--peer-allow``),
-    and whether its token may go to them in plaintext (``--insecure-token``).
+    and whether hop credentials made from its token may go to them in plaintext
+    (``--insecure-token``).
 
     The default allows loopback hops only (and any hop under mutual TLS). Thread-safe: the
     routes and the load threads share one.
@@ -168,20 +171,22 @@ class PeerTrust:
         return next((p for p in self.allow if p.matches(host, port)), None)
 
     def warn_once(self, hop: str) -> None:
-        """Log, once per hop, that the token goes to it in plaintext (``--insecure-token``)."""
+        """Log, once per hop, that hop credentials go to it in plaintext (``--insecure-token``)."""
         with self._lock:
             if hop in self._warned:
                 return
             self._warned.add(hop)
-        log.warning("--insecure-token: this worker sends its token in PLAINTEXT to next hop %s "
-                    "(not loopback); anyone on the path can read it and call every worker of "
-                    "the cluster. Use mutual TLS (%s) instead", hop, _TLS_FLAGS)
+        log.warning("--insecure-token: this worker sends its pipelines' hop credentials in "
+                    "PLAINTEXT to next hop %s (not loopback); anyone on the path can read them "
+                    "and push frames into those pipelines. Use mutual TLS (%s) instead", hop,
+                    _TLS_FLAGS)
 
 
 @dataclasses.dataclass(frozen=True)
 class HopDecision:
     """Why a hop may be dialled: ``"loopback"``, ``"cluster CA"`` or ``"--peer-allow P"``;
-    and whether the token goes to it in plaintext (only with ``--insecure-token``)."""
+    and whether a worker with a token sends hop credentials to it in plaintext (only with
+    ``--insecure-token``)."""
 
     hop: str
     reason: str
@@ -196,8 +201,8 @@ def check_hop(hop: str, auth: ClientAuth, trust: PeerTrust, *, stage: str) -> Ho
 
     Raises:
         AuthError: (``PERMISSION_DENIED``) the hop is not loopback, not verified by the cluster's
-            CA and matches no ``--peer-allow`` pattern; or it would get the token in plaintext
-            without ``--insecure-token``.
+            CA and matches no ``--peer-allow`` pattern; or it would get hop credentials in
+            plaintext without ``--insecure-token``.
     """
     host, port = split_host_port(hop)
     if is_loopback(host):
@@ -217,9 +222,10 @@ def check_hop(hop: str, auth: ClientAuth, trust: PeerTrust, *, stage: str) -> Ho
     if plaintext_token and not trust.insecure_token:
         raise AuthError(
             f"{stage}: next hop {hop} (allowed by --peer-allow {pattern.text}) is refused: "
-            f"this worker would send its token (--token-file) to it in plaintext, as it is not "
-            f"loopback; give the workers TLS ({_TLS_FLAGS}), or accept that anyone on the path "
-            f"can read the token with --insecure-token", code="PERMISSION_DENIED")
+            f"this worker would send the pipeline's hop credential (made from its --token-file "
+            f"or the pipeline's key) to it in plaintext, as it is not loopback; give the "
+            f"workers TLS ({_TLS_FLAGS}), or accept that anyone on the path can read it, and "
+            f"push frames into that pipeline, with --insecure-token", code="PERMISSION_DENIED")
     if plaintext_token:
         trust.warn_once(hop)
     return HopDecision(hop, f"--peer-allow {pattern.text}", loopback=False,
@@ -231,36 +237,22 @@ def _suggested(host: str, port: int | None) -> str:
     return f"{shown}:{port}" if port is not None else shown
 
 
-def _token(auth: ClientAuth) -> str | None:
-    """The bearer token in ``auth``'s metadata, if any."""
-    for key, value in auth.metadata:
-        if key == AUTH_HEADER and value.startswith("Bearer "):
-            return value.removeprefix("Bearer ")
-    return None
+def peer_credentials(decision: HopDecision, auth: ClientAuth) -> grpc.ChannelCredentials | None:
+    """The channel credentials of a gRPC channel to a hop that :func:`check_hop` allowed.
 
-
-def peer_credentials(decision: HopDecision, auth: ClientAuth
-                     ) -> tuple[grpc.ChannelCredentials | None, tuple[tuple[str, str], ...]]:
-    """The channel credentials and the per-call metadata for a gRPC channel to a hop that
-    :func:`check_hop` allowed.
-
-    * TLS (the worker's ``--tls-*``): its TLS credentials, the token as call credentials;
+    * TLS (the worker's ``--tls-*``): its TLS credentials;
     * plaintext to loopback: ``local_channel_credentials`` (the handshake fails unless the
-      connected peer is loopback), the token as call credentials;
-    * plaintext elsewhere: no credentials; the token as metadata only with
-      ``decision.plaintext_token`` (``--insecure-token``).
+      connected peer is loopback);
+    * plaintext elsewhere: ``None``, a plaintext channel.
+
+    No token goes with them: each ``Push`` stream carries its pipeline's hop credential as call
+    metadata (``transport/hop.py``), written only once the channel's handshake succeeded.
     """
-    token = _token(auth)
-    calls = grpc.access_token_call_credentials(token) if token is not None else None
     if auth.credentials is not None:
-        base = auth.credentials
-    elif decision.loopback:
-        base = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
-    else:
-        return None, auth.metadata if decision.plaintext_token else ()
-    if calls is None:
-        return base, ()
-    return grpc.composite_channel_credentials(base, calls), ()
+        return auth.credentials
+    if decision.loopback:
+        return grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
