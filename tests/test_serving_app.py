@@ -30,7 +30,7 @@ from jaxdist.coordinator.chat_template import ChatEncoder  # noqa: E402
 from jaxdist.coordinator.engine import Engine  # noqa: E402
 from jaxdist.coordinator.request import SamplingParams  # noqa: E402
 from jaxdist.exporters.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
-from jaxdist.serving import protocol  # noqa: E402
+from jaxdist.serving import protocol, schema  # noqa: E402
 from jaxdist.serving.app import Served, ServerState, create_app  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def test_loading_then_serving(app: Any) -> None:
 def test_a_full_queue_is_503_with_retry_after(app: Any) -> None:
     client, gated, engine, state = app
     state.serve(Served("counter", "causal-lm", None, engine=engine, max_seq=64))
-    holder = engine.submit([5, 6], protocol.parse_completion(_body()).params(
+    holder = engine.submit([5, 6], schema.parse_completion(_body()).params(
         max_seq=64, prompt_len=2))  # takes the one slot; its steps wait at the gate
     assert engine.slots_in_use == 1
     r = client.post("/v1/completions", json=_body())
@@ -106,12 +106,12 @@ def test_streamed_token_ids_follow_the_prompt(app: Any) -> None:
 ])
 def test_completion_refusals_name_the_field(body: dict[str, Any], param: str, text: str) -> None:
     with pytest.raises(protocol.APIError) as err:
-        protocol.parse_completion(body)
+        schema.parse_completion(body)
     assert err.value.param == param and text in err.value.message and err.value.status == 400
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    req = protocol.parse_completion({"model": "m", "prompt": "x", "max_tokens": 9,
+    req = schema.parse_completion({"model": "m", "prompt": "x", "max_tokens": 9,
                                      "max_completion_tokens": 3})
     assert req.max_tokens == 3
 
@@ -124,15 +124,110 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
 ])
 def test_chat_refusals_name_the_field(messages: list[Any], param: str) -> None:
     with pytest.raises(protocol.APIError) as err:
-        protocol.parse_chat({"model": "m", "messages": messages})
+        schema.parse_chat({"model": "m", "messages": messages})
     assert err.value.param == param
 
 
 def test_chat_content_parts_join() -> None:
-    req = protocol.parse_chat({"model": "m", "messages": [
+    req = schema.parse_chat({"model": "m", "messages": [
         {"role": "developer", "content": [{"type": "text", "text": "a"},
                                           {"type": "text", "text": "b"}]}]})
-    assert req.messages == ({"role": "system", "content": "ab"},)
+    assert req.turns() == [{"role": "system", "content": "ab"}]
+
+
+# -- issue #34: typed requests (pydantic, in OpenAI's shape) ---------------------------------------
+
+_USER = {"role": "user", "content": "Hi"}
+
+
+@pytest.mark.parametrize("route, body, param, message", [
+    # a wrong type: JSON types are never coerced
+    ("/v1/completions", {"prompt": [1], "max_tokens": "5"}, "max_tokens",
+     "max_tokens: expected an integer, found str '5'"),
+    ("/v1/completions", {"prompt": [1], "stream": 1}, "stream",
+     "stream: expected a boolean, found int 1"),
+    ("/v1/completions", {"prompt": 5}, "prompt",
+     "prompt: expected a string or a list of token ids, found int 5"),
+    # out of range: OpenAI's own rule, and the engine's
+    ("/v1/completions", {"prompt": [1], "temperature": 3}, "temperature",
+     "temperature: expected a number in [0.0, 2.0], found 3.0"),
+    ("/v1/chat/completions", {"messages": [_USER], "top_p": 1.5}, "top_p",
+     "top_p: expected a number in (0, 1], found 1.5"),
+    # unknown or unsupported fields, by name, at any depth
+    ("/v1/completions", {"prompt": [1], "repetition_penalty": 1.1}, "repetition_penalty",
+     "repetition_penalty: unrecognized or unsupported request argument"),
+    ("/v1/chat/completions", {"messages": [_USER], "prompt": "Hi"}, "prompt",
+     "prompt: unrecognized or unsupported request argument"),
+    ("/v1/chat/completions", {"messages": [{**_USER, "tool_calls": []}]},
+     "messages[0].tool_calls", "messages[0].tool_calls: unrecognized or unsupported request "
+                               "argument"),
+    ("/v1/completions", {"prompt": [1], "stream": True, "stream_options": {"usage": True}},
+     "stream_options.usage", "stream_options.usage: unrecognized or unsupported request "
+                             "argument"),
+    ("/v1/chat/completions", {"messages": [_USER], "tools": [{"type": "function"}]}, "tools",
+     "tools: tool calls are not supported yet, found [{'type': 'function'}]"),
+    # a nested field: its dotted path
+    ("/v1/chat/completions", {"messages": [_USER, {"role": "user", "content": 5}]},
+     "messages[1].content", "messages[1].content: expected a string or text parts, found int 5"),
+    ("/v1/chat/completions", {"messages": [_USER, {"role": "user"}]}, "messages[1].content",
+     "messages[1].content: expected a string or text parts, found null"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]},
+     "messages[0].content[0].text", "messages[0].content[0].text: expected a string, found int 7"),
+    ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "Hi"}]},
+     "messages[0].role", "messages[0].role: expected 'system', 'developer', 'user' or "
+                         "'assistant', found str 'bot'"),
+    # a long list is validated in slices: the index is still the item's own
+    ("/v1/completions", {"prompt": [1] * 5000 + [2.5]}, "prompt[5000]",
+     "prompt[5000]: expected an integer, found float 2.5"),
+    ("/v1/chat/completions", {"messages": [_USER] * 3000 + [[]]}, "messages[3000]",
+     "messages[3000]: expected an object, found list []"),
+    ("/v1/completions", {"prompt": [1], "stop": ["a", None]}, "stop[1]",
+     "stop[1]: expected a string, found null"),
+])
+def test_error_a_bad_field_is_openais_400_naming_its_path(
+        app: Any, route: str, body: dict[str, Any], param: str, message: str) -> None:
+    client, _, engine, state = app
+    state.serve(Served("counter", "causal-lm", None, engine=engine, max_seq=64))
+    err = _openai_error(client.post(route, json={"model": "counter", **body}), 400, param)
+    assert err == {"message": message, "type": "invalid_request_error", "param": param,
+                   "code": None}
+
+
+def test_error_a_body_of_many_unknown_fields_is_one_400(app: Any) -> None:
+    """pydantic makes an error of each unknown field: a million of them took seconds on one
+    thread, holding the GIL. The strict JSON bounds an object's keys first."""
+    client, _, engine, state = app
+    state.serve(Served("counter", "causal-lm", None, engine=engine, max_seq=64))
+    fields = {f"k{i}": 1 for i in range(protocol.MAX_OBJECT_KEYS)}  # and model: one more
+    err = _openai_error(client.post("/v1/completions", json={"model": "counter", **fields}),
+                        400)
+    assert err["message"] == "the request body: expected an object of at most 1024 keys, " \
+                             "found 1025"
+    message = {"role": "user", "content": "Hi", **fields}
+    err = _openai_error(client.post("/v1/chat/completions", json={
+        "model": "counter", "messages": [message]}), 400, "messages")
+    assert err["message"].startswith("messages[0]: expected an object of at most 1024 keys")
+
+
+def test_fields_that_ask_for_nothing_are_accepted() -> None:
+    """OpenAI's fields that change nothing here, and the unsupported ones at their defaults."""
+    chat = schema.parse_chat({
+        "model": "m", "messages": [{"role": "assistant", "content": None, "name": "a"}, _USER],
+        "user": "u", "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+        "parallel_tool_calls": True, "n": 1, "logprobs": False, "top_logprobs": 0, "tools": [],
+        "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0,
+        "frequency_penalty": 0.0, "logit_bias": {}, "stream": True, "top_k": -1, "seed": None,
+        "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert chat.turns() == [{"role": "assistant", "content": ""}, _USER]
+    assert chat.include_usage and chat.params(max_seq=8, prompt_len=2).top_k == 0
+    completion = schema.parse_completion({
+        "model": "m", "prompt": [[1, 2]], "best_of": 1, "echo": False, "suffix": "",
+        "logprobs": 0, "user": "u", "max_tokens": 2.0})
+    assert completion.prompt == [1, 2] and completion.max_tokens == 2
+    embedding = schema.parse_embedding({"model": "m", "input": "Hi", "user": "u",
+                                          "encoding_format": "base64"})
+    assert embedding.input == ["Hi"] and embedding.encoding_format == "base64"
 
 
 # -- issue #33: the HTTP server under attack ------------------------------------------------------
@@ -340,7 +435,8 @@ def test_error_prompt_text_the_context_cannot_hold_is_400_before_tokenizing(
                               f"of this model's context, max_seq)")
     assert tokenizer.calls == 0  # refused before the template or the tokenizer ran
     gated.open.set()  # within the bound, it is tokenized and served
-    r = client.post(route, json={"model": "counter", "max_tokens": 1, "prompt": "a" * 60,
-                                 "messages": [{"role": "user", "content": "a" * 50}]})
+    short = {"prompt": "a" * 60} if param == "prompt" else {
+        "messages": [{"role": "user", "content": "a" * 50}]}
+    r = client.post(route, json={"model": "counter", "max_tokens": 1, **short})
     assert r.status_code == 200, r.text
     assert tokenizer.calls > 0

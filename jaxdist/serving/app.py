@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one :class:`Engine` (or encoder).
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``POST /v1/embeddings`` (an encoder pipeline), ``GET /health`` and ``GET /metrics``. Bodies and
-errors follow OpenAI's (:mod:`jaxdist.serving.protocol`). With API keys, every ``/v1`` route
-needs ``Authorization: Bearer KEY``, compared in constant time; ``/health`` and ``/metrics``
-stay open (a load balancer and Prometheus call them without a key).
+``POST /v1/embeddings`` (an encoder pipeline), ``GET /health`` and ``GET /metrics``. Requests
+(:mod:`jaxdist.serving.schema`), responses and errors (:mod:`jaxdist.serving.protocol`) follow
+OpenAI's. With API keys, every ``/v1`` route needs ``Authorization: Bearer KEY``, compared in
+constant time; ``/health`` and ``/metrics`` stay open (a load balancer and Prometheus call them
+without a key).
 
-Status codes: 400 bad parameters (``param`` names the field) or a body that is not strict JSON
+Status codes: 400 bad parameters (``param`` names the field by its path, as in
+``messages[1].content``; an unknown field is refused by name) or a body that is not strict JSON
 (:func:`~jaxdist.serving.protocol.parse_json`), 401 a missing or wrong key, 404 an unknown model
 or route, 405 a route's wrong method, 500 a request that failed in the engine (the others go
 on), 503 with ``Retry-After`` while loading, when the engine's queue is full, or when the
@@ -61,6 +63,7 @@ from jaxdist.coordinator.request import (
 )
 from jaxdist.core.errors import JaxdistError, LimitError, SpecError
 from jaxdist.serving import protocol as api
+from jaxdist.serving import schema
 from jaxdist.serving.metrics import ServerMetrics
 
 __all__ = ["Served", "ServerState", "create_app"]
@@ -219,7 +222,7 @@ def _check_prompt_bytes(served: Served, texts: Sequence[str], param: str) -> Non
                            param=param, code="context_length_exceeded")
 
 
-def _prompt_ids(served: Served, prompt: str | tuple[int, ...], param: str) -> list[int]:
+def _prompt_ids(served: Served, prompt: str | Sequence[int], param: str) -> list[int]:
     """The token ids of a prompt; ids a client sent are checked against the vocabulary by the
     engine (a completion) or by the embeddings route."""
     tok = served.tokenizer
@@ -231,13 +234,13 @@ def _prompt_ids(served: Served, prompt: str | tuple[int, ...], param: str) -> li
     return list(prompt)
 
 
-def _params(req: api.CompletionRequest | api.ChatRequest, served: Served, prompt_len: int,
+def _params(req: schema.CompletionRequest | schema.ChatRequest, served: Served, prompt_len: int,
             default_max_tokens: int | None) -> SamplingParams:
     room = served.max_seq - prompt_len
     if room < 1:
         raise api.APIError(f"the prompt has {prompt_len} tokens; this model's context holds "
                            f"{served.max_seq} (max_seq), and generating needs one more",
-                           param="messages" if isinstance(req, api.ChatRequest) else "prompt",
+                           param="messages" if isinstance(req, schema.ChatRequest) else "prompt",
                            code="context_length_exceeded")
     if req.max_tokens is not None and req.max_tokens > room:
         raise api.APIError(f"max_tokens: {req.max_tokens} new tokens after a prompt of "
@@ -252,9 +255,9 @@ def _params(req: api.CompletionRequest | api.ChatRequest, served: Served, prompt
 
 
 def _completion_inputs(state: ServerState, body: object
-                       ) -> tuple[api.CompletionRequest, Served, list[int], SamplingParams]:
+                       ) -> tuple[schema.CompletionRequest, Served, list[int], SamplingParams]:
     """A completions request read, checked and tokenized: blocking, run in a thread."""
-    req = api.parse_completion(body)
+    req = schema.parse_completion(body)
     served = _check_model(state, req.model, "causal-lm", "/v1/completions")
     if isinstance(req.prompt, str):
         _check_prompt_bytes(served, [req.prompt], "prompt")
@@ -264,16 +267,17 @@ def _completion_inputs(state: ServerState, body: object
 
 
 def _chat_inputs(state: ServerState, body: object
-                 ) -> tuple[api.ChatRequest, Served, list[int], SamplingParams]:
+                 ) -> tuple[schema.ChatRequest, Served, list[int], SamplingParams]:
     """A chat request read, checked, rendered and tokenized: blocking, run in a thread."""
-    req = api.parse_chat(body)
+    req = schema.parse_chat(body)
     served = _check_model(state, req.model, "causal-lm", "/v1/chat/completions")
     if served.chat is None:
         raise api.APIError(f"model `{served.name}` has no tokenizer with a chat template "
                            f"here; use /v1/completions with token ids", param="messages")
-    _check_prompt_bytes(served, [m["content"] for m in req.messages], "messages")
+    turns = req.turns()
+    _check_prompt_bytes(served, [m["content"] for m in turns], "messages")
     try:
-        ids = served.chat.encode(req.messages, add_generation_prompt=True)
+        ids = served.chat.encode(turns, add_generation_prompt=True)
     except SpecError as exc:
         raise api.APIError(f"messages: {exc}", param="messages") from None
     params = _params(req, served, len(ids), default_max_tokens=None)
@@ -281,11 +285,11 @@ def _chat_inputs(state: ServerState, body: object
 
 
 def _embedding_inputs(state: ServerState, body: object
-                      ) -> tuple[api.EmbeddingRequest, Served, list[list[int]]]:
+                      ) -> tuple[schema.EmbeddingRequest, Served, list[list[int]]]:
     """An embeddings request read, checked and tokenized: blocking, run in a thread."""
-    req = api.parse_embedding(body)
+    req = schema.parse_embedding(body)
     served = _check_model(state, req.model, "encoder", "/v1/embeddings")
-    rows = [_prompt_ids(served, item, f"input[{i}]") for i, item in enumerate(req.inputs)]
+    rows = [_prompt_ids(served, item, f"input[{i}]") for i, item in enumerate(req.input)]
     vocab = getattr(served.tokenizer, "vocab_size", None)
     for i, row in enumerate(rows):
         try:
@@ -482,7 +486,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await _generate(request, served, req, ids, params, chat=True)
 
     async def _generate(request: Request, served: Served,
-                        req: api.CompletionRequest | api.ChatRequest, ids: list[int],
+                        req: schema.CompletionRequest | schema.ChatRequest, ids: list[int],
                         params: SamplingParams, *, chat: bool) -> Response:
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         created = int(time.time())
@@ -542,8 +546,8 @@ def create_app(state: ServerState) -> FastAPI:
             vectors = await asyncio.to_thread(served.embed, rows)
         except JaxdistError as exc:
             raise _engine_error(exc) from None
-        return JSONResponse(api.embedding_response(served.name, vectors,
-                                                   sum(len(r) for r in rows),
-                                                   as_base64=req.base64))
+        return JSONResponse(api.embedding_response(
+            served.name, vectors, sum(len(r) for r in rows),
+            as_base64=req.encoding_format == "base64"))
 
     return app
