@@ -391,9 +391,7 @@ def test_window_matches_reference_and_portable(isa: str, s: int) -> None:
 
 
 def test_window_through_ops_calls_v2_and_full_attention_calls_v1() -> None:
-    """ops.cache_attention lowers a window to the v2 target and full attention to v1, the call
-    every artifact exported before windows existed makes (so a stage without a window needs
-    nothing new from a worker)."""
+    """ops.cache_attention lowers a window to the v2 target and full attention to v1."""
     rng = np.random.default_rng(61)
     args = _case(rng, 3, 4, 8, 2, 32, t=40)
 
@@ -415,21 +413,20 @@ def test_window_through_ops_calls_v2_and_full_attention_calls_v1() -> None:
     np.testing.assert_allclose(got, _reference(*args), rtol=2e-5, atol=2e-6)
 
 
-def test_v1_artifact_exported_before_windows_still_runs() -> None:
-    """An artifact that calls jaxdist_cache_attention_v1 exactly as ops did before v2 existed
-    (the call, its one attribute ``scale``), serialized and read back, runs here and gives the
-    reference: adding the window changed no old interface."""
+def test_v1_call_serialized_and_read_back_runs() -> None:
+    """An artifact that calls jaxdist_cache_attention_v1 as full attention does (the call, its
+    one attribute ``scale``), serialized and read back, runs here and gives the reference."""
     rng = np.random.default_rng(62)
     args = _case(rng, 2, 3, 8, 2, 32, t=40)
 
-    def old_ops(*a):
+    def full(*a):
         call = jax.ffi.ffi_call("jaxdist_cache_attention_v1",
                                 jax.ShapeDtypeStruct(a[0].shape, jnp.float32))
         kernel = lambda *x: call(*x, scale=np.float32(a[0].shape[3] ** -0.5))  # noqa: E731
         return jax.lax.platform_dependent(*a, cpu=kernel, default=layers._attend)
 
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-    exp = export.export(jax.jit(old_ops), platforms=("cpu",), disabled_checks=[
+    exp = export.export(jax.jit(full), platforms=("cpu",), disabled_checks=[
         export.DisabledSafetyCheck.custom_call("jaxdist_cache_attention_v1")])(*shapes)
     blob = exp.serialize()
     back = export.deserialize(blob)

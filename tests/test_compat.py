@@ -1,7 +1,9 @@
-"""Backward compatibility: artifacts and a manifest written by an earlier jaxdist/jax are kept in
-``tests/testdata/golden`` (made by ``python tests/testdata/make_golden.py``) and must still load
-and run, in-process and on real workers, with outputs equal to numpy's. This is what jax does for
-its own export format (``jax/_src/internal_test_util/export_back_compat_test_data``).
+"""Backward compatibility: artifacts and a manifest written by the first release (spec 1.0,
+manifest version 2, jax 0.10.2) are kept in ``tests/testdata/golden`` (made by ``python
+tests/testdata/make_golden.py``) and must still load and run, in-process and on real workers, with
+outputs equal to numpy's. A later format version adds its own registry beside it, and every one
+is loaded. This is what jax does for its own export format
+(``jax/_src/internal_test_util/export_back_compat_test_data``).
 
 Artifacts outside the window the local jax reads are refused, naming the versions.
 """
@@ -45,7 +47,7 @@ def _make_golden() -> Any:
 golden = _make_golden()
 
 
-GOLDENS = {1: GOLDEN, 2: TESTDATA / "golden-v2"}  # manifest version -> registry written then
+GOLDENS = {2: GOLDEN}  # manifest version -> the registry its first release wrote
 
 
 def _open_golden(root: pathlib.Path) -> Manifest:
@@ -58,7 +60,7 @@ def _open_golden(root: pathlib.Path) -> Manifest:
 
 @pytest.fixture(scope="module")
 def manifest() -> Manifest:
-    """The oldest golden manifest (version 1)."""
+    """The oldest golden manifest: the first release's."""
     return _open_golden(GOLDEN)
 
 
@@ -88,6 +90,12 @@ def test_golden_manifest_reads(golden_version: int) -> None:
     for stage in manifest.stages:
         assert digest_of(reg.get(stage.digest)) == stage.digest  # bytes intact
         assert reg.meta(stage.digest)["jax_version"] == manifest.versions["jax"]
+
+
+def test_golden_is_what_the_first_release_writes(manifest: Manifest) -> None:
+    assert manifest.manifest_version == 2 and manifest.versions["spec"] == "1.0"
+    assert [s.spec.spec_version for s in manifest.stages] == ["1.0", "1.0"]
+    assert manifest.versions["jax"] == "0.10.2"
 
 
 def test_golden_manifests_describe_the_same_model() -> None:

@@ -8,8 +8,7 @@ workers, and no listener thread per worker (gRPC: one per worker). A worker with
 is reached over gRPC, logged, and ``Pipeline.links`` says so, as is one whose ``Info``
 fails when the pipeline connects (injected). Refusals on the events mode: a
 wrong pipeline key, a malformed request, an unknown mode, and a silent subscriber (dropped with
-the bound, which it reads at the end); the worker goes on serving. An older data port (no
-modes) is never sent an answer it cannot read.
+the bound, which it reads at the end); the worker goes on serving.
 """
 
 from __future__ import annotations
@@ -221,36 +220,6 @@ def test_error_a_subscribe_request_that_stops_midway_is_closed(cluster: Cluster)
 
     assert asyncio.run(main()) == b""  # closed, and nothing sent
     assert cluster.clients[0].info().address  # still serving
-
-
-def test_an_older_data_port_is_not_asked_for_events() -> None:
-    """A data port whose hello has no FLAG_MODES (before the events mode): the client refuses
-    to subscribe there, having sent nothing."""
-    async def main() -> tuple[Exception, bytes]:
-        got = bytearray()
-
-        async def old_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                             ) -> None:
-            writer.write(stream._HELLO.pack(stream.MAGIC, 1, 0, 1 << 20, bytes(32)))
-            await writer.drain()
-            got.extend(await reader.read())
-            writer.close()
-
-        server = await asyncio.start_server(old_worker, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            await stream.client_handshake(reader, writer, key=None, peer=f"old:{port}",
-                                          mode=stream.MODE_EVENTS)
-        except CodecError as exc:
-            writer.close()
-            await asyncio.sleep(0)  # let the server read the close
-            server.close()
-            return exc, bytes(got)
-        raise AssertionError("an older data port was asked for events")
-
-    error, sent = asyncio.run(main())
-    assert "takes only frames" in str(error) and sent == b""
 
 
 def test_a_silent_events_subscriber_costs_only_itself(cluster: Cluster,

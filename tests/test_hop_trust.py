@@ -657,9 +657,8 @@ class FakeDataPort:
             conn, _ = self._sock.accept()
             with conn:
                 conn.settimeout(60)
-                flags = stream.FLAG_TOKEN | stream.FLAG_MODES | stream.FLAG_HOPS
-                conn.sendall(struct.pack("<4sBBI32s", stream.MAGIC, stream.VERSION, flags,
-                                         1 << 20, self.nonce))
+                conn.sendall(struct.pack("<4sBBI32s", stream.MAGIC, stream.VERSION,
+                                         stream.FLAG_TOKEN, 1 << 20, self.nonce))
                 data = b""
                 while len(data) < 39 or len(data) < 39 + int.from_bytes(data[37:39], "little"):
                     chunk = conn.recv(4096)

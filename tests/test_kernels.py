@@ -140,15 +140,6 @@ def test_many_rows_dequantize_one_matrix_at_a_time() -> None:
     assert temp < 2 * one + 4 * x.nbytes, f"{temp} bytes of temporaries for 10 x {one}"
 
 
-def test_dequantize_v1_still_served() -> None:
-    """Artifacts exported before the ordering operand call jaxdist_ggml_dequantize_v1."""
-    blocks, wd = _random_blocks(np.random.default_rng(6), (8, 64), "Q8_0")
-    call = jax.ffi.ffi_call(kernels.DEQUANTIZE_V1_TARGET, jax.ShapeDtypeStruct(wd.shape,
-                                                                              jnp.float32))
-    got = jax.jit(lambda b: call(b, ggml_type=np.int32(8)))(blocks)
-    np.testing.assert_array_equal(np.asarray(got), wd)
-
-
 @pytest.mark.parametrize("qtype", kernels.KERNEL_TYPES)
 def test_portable_branch_numerics_on_cpu(qtype: str) -> None:
     """The branch GPU/TPU workers compile (in-graph dequantize + dot), run here on the CPU:
@@ -197,31 +188,38 @@ def test_error_buffer_sizes_checked_by_the_kernel() -> None:
     instead of reading past a buffer."""
     blocks = np.zeros((8, 20), np.uint8)  # Q4_1 rows of 32 elements are 20 bytes: K = 32
     x = np.zeros((2, 64), np.float32)     # but x says K = 64
-    call = jax.ffi.ffi_call(kernels.MATMUL_V1_TARGET, jax.ShapeDtypeStruct((2, 8), jnp.float32))
-    with pytest.raises(Exception, match=r"jaxdist_ggml_matmul_v1: w rows hold 20 bytes, "
+    rows = np.ones(2, np.int32)
+    call = jax.ffi.ffi_call(kernels.TARGET, jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    with pytest.raises(Exception, match=r"jaxdist_ggml_matmul_v2: w rows hold 20 bytes, "
                                         r"expected 40 for K = 64 of q4_1"):
-        jax.jit(lambda a, b: call(a, b, ggml_type=np.int32(3)))(x, blocks).block_until_ready()
-    bad_out = jax.ffi.ffi_call(kernels.MATMUL_V1_TARGET,
-                               jax.ShapeDtypeStruct((2, 9), jnp.float32))
+        jax.jit(lambda a, b, r: call(a, b, r, ggml_type=np.int32(3)))(
+            x, blocks, rows).block_until_ready()
+    bad_out = jax.ffi.ffi_call(kernels.TARGET, jax.ShapeDtypeStruct((2, 9), jnp.float32))
     with pytest.raises(Exception, match=r"y is \(2, 9\), expected \(2, 8\)"):
-        jax.jit(lambda a, b: bad_out(a, b, ggml_type=np.int32(3)))(
-            x[:, :32], blocks).block_until_ready()
+        jax.jit(lambda a, b, r: bad_out(a, b, r, ggml_type=np.int32(3)))(
+            x[:, :32], blocks, rows).block_until_ready()
     with pytest.raises(Exception, match=r"unsupported ggml_type 16"):
-        jax.jit(lambda a, b: call(a, b, ggml_type=np.int32(16)))(x, blocks).block_until_ready()
-    masked = jax.ffi.ffi_call(kernels.TARGET, jax.ShapeDtypeStruct((2, 8), jnp.float32))
+        jax.jit(lambda a, b, r: call(a, b, r, ggml_type=np.int32(16)))(
+            x, blocks, rows).block_until_ready()
     with pytest.raises(Exception, match=r"jaxdist_ggml_matmul_v2: rows must hold one entry per "
                                         r"row of x"):
-        jax.jit(lambda a, b, r: masked(a, b, r, ggml_type=np.int32(3)))(
+        jax.jit(lambda a, b, r: call(a, b, r, ggml_type=np.int32(3)))(
             x[:, :32], blocks, np.ones(3, np.int32)).block_until_ready()
-    with pytest.raises(Exception, match=r"jaxdist_ggml_matmul_v2: w rows hold 20 bytes"):
-        jax.jit(lambda a, b, r: masked(a, b, r, ggml_type=np.int32(3)))(
-            x, blocks, np.ones(2, np.int32)).block_until_ready()
+    dequantize = jax.ffi.ffi_call(kernels.DEQUANTIZE_TARGET,
+                                  jax.ShapeDtypeStruct((8, 64), jnp.float32))
+    with pytest.raises(Exception, match=r"jaxdist_ggml_dequantize_v2: expected x \(M, K\) and "
+                                        r"y \(N, K\) with the same K"):
+        jax.jit(lambda a, b: dequantize(a, b, ggml_type=np.int32(3)))(
+            x[:, :32], blocks).block_until_ready()
+    with pytest.raises(Exception, match=r"jaxdist_ggml_dequantize_v2: w rows hold 20 bytes"):
+        jax.jit(lambda a, b: dequantize(a, b, ggml_type=np.int32(3)))(
+            x, blocks).block_until_ready()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q8_0", "BF16"])
 def test_masked_rows_are_skipped(matmul, qtype: str) -> None:
     """Rows marked 0 (padding, idle slots) are not computed and come back as zeros; the
-    others are the full product; v1 (no mask) gives the same rows."""
+    others are the full product: every row marked gives the same rows."""
     rng = np.random.default_rng(10)
     blocks, wd = _random_blocks(rng, (48, 256), qtype)
     x = rng.standard_normal((2, 7, 256)).astype(np.float32)
@@ -229,8 +227,8 @@ def test_masked_rows_are_skipped(matmul, qtype: str) -> None:
     y = np.asarray(jax.jit(lambda a, b, r: ops.quant_matmul(a, b, qtype, r))(x, blocks, live))
     np.testing.assert_array_equal(y[~live], 0.0)
     _check(y[live], x[live], wd, qtype, f"{qtype} masked")
-    v1 = jax.ffi.ffi_call(kernels.MATMUL_V1_TARGET, jax.ShapeDtypeStruct((14, 48), jnp.float32))
-    full = np.asarray(jax.jit(lambda a, b: v1(a, b, ggml_type=np.int32(
+    every = jax.ffi.ffi_call(kernels.TARGET, jax.ShapeDtypeStruct((14, 48), jnp.float32))
+    full = np.asarray(jax.jit(lambda a, b: every(a, b, np.ones(14, np.int32), ggml_type=np.int32(
         gguf.GGMLQuantizationType[qtype].value)))(x.reshape(14, 256), blocks))
     np.testing.assert_array_equal(y[live], full.reshape(2, 7, 48)[live])
     none = np.asarray(jax.jit(lambda a, b, r: ops.quant_matmul(a, b, qtype, r))(

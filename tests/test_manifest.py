@@ -24,7 +24,6 @@ from jaxdist.registry.manifest import (
     ManifestStage,
     ModelInfo,
     _spec_from_json,
-    _spec_from_v1,
     _spec_to_json,
     open_manifest,
     relative_uri,
@@ -66,25 +65,6 @@ def test_every_spec_field_but_placement_is_written() -> None:
     # The manifest's spec is the protobuf's own JSON: the wire schema parses it unchanged.
     msg = json_format.ParseDict(_spec_to_json(spec), pb.StageSpec())
     assert StageSpec.from_proto(msg).replace(device="auto") == back
-
-
-def test_version_1_specs_still_read() -> None:
-    """Manifest version 1 wrote its own dict form of a spec; it reads as the same spec."""
-    spec = _full_spec()
-    v1 = {"spec_version": spec.spec_version, "model": spec.model, "stage_index": 1,
-          "num_stages": 3, "artifact_digest": DIGEST, "platforms": ["cpu", "cuda"],
-          "versions": dataclasses.asdict(spec.versions),
-          "inputs": [{"name": "x", "dtype": "float32", "dims": ["b", 8]},
-                     {"name": "pos", "dtype": "int32", "dims": ["b"]}],
-          "outputs": [{"name": "y", "dtype": "bfloat16", "dims": ["b", 8]}],
-          "state": [{"name": "k", "dtype": "float32", "shape": [2, 8]}],
-          "buckets": [{"b": 4}],
-          "weights": [{"param": "w", "uri": "gguf://{model}#blk.0.w", "shape": [8, 8],
-                       "dtype": "uint8", "sha256": "cd" * 32, "packed": True,
-                       "transpose": True, "quant": "Q8_0"}]}
-    placement = {f: getattr(StageSpec(DIGEST, (), ()), f) for f in PLACEMENT_FIELDS}
-    # Version 1 predates step control: its stages read every input from the frame's tensors.
-    assert _spec_from_v1(v1) == spec.replace(**placement, control=())
 
 
 def test_round_trip_is_byte_identical(published: Published) -> None:
@@ -144,12 +124,14 @@ def test_open_manifest_by_path_name_and_digest(published: Published) -> None:
         assert d2 == published.digest and m2 == m
 
 
-def test_error_unsupported_manifest_version(published: Published) -> None:
-    doc = published.manifest.to_dict() | {"manifest_version": MANIFEST_VERSION + 1}
+@pytest.mark.parametrize("version", [1, MANIFEST_VERSION + 1])
+def test_error_unsupported_manifest_version(published: Published, version: int) -> None:
+    """A later version, and version 1 (never released: jaxdist's own dict form of a spec)."""
+    doc = published.manifest.to_dict() | {"manifest_version": version}
     with pytest.raises(SpecError) as info:
         Manifest.from_dict(doc, source="m.json")
     msg = str(info.value)
-    assert f"m.json: manifest_version {MANIFEST_VERSION + 1} is not supported" in msg
+    assert f"m.json: manifest_version {version} is not supported" in msg
     assert f"reads manifest versions {list(SUPPORTED_MANIFEST_VERSIONS)}" in msg
 
 
@@ -171,11 +153,10 @@ def test_error_malformed_field_is_named(published: Published) -> None:
     with pytest.raises(SpecError, match=r"m\.json: stages\[0\]: spec is not a StageSpec: .*"
                                         r"stage_index"):
         Manifest.from_dict(doc, source="m.json")
-    # Version 1 wrote its own dict form, where a missing key is malformed.
-    doc = published.manifest.to_dict() | {"manifest_version": 1}
-    doc["stages"][0]["spec"] = {"artifact_digest": DIGEST}
+    doc = published.manifest.to_dict()
+    del doc["stages"][0]["spec"]
     with pytest.raises(SpecError, match=r"m\.json: stages\[0\] is malformed: missing key "
-                                        r"'inputs'"):
+                                        r"'spec'"):
         Manifest.from_dict(doc, source="m.json")
 
 

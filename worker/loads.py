@@ -3,8 +3,7 @@
 A load takes seconds to minutes, most of it compiling every shape bucket. While it runs, the
 worker keeps its phase (``load``, ``compile``, ``bind``) and when the phase began, and ``Info``
 reports them (``InfoReply.loading``), so a coordinator can show live phases while its unary
-``LoadStage`` waits: no streaming call, and a worker that reports none (an older one) still
-loads.
+``LoadStage`` waits, with no streaming call.
 
 A caller that leaves (it cancelled, its deadline passed, or the server is stopping) abandons its
 load: the step under way finishes, since XLA cannot stop a compile, no later step starts

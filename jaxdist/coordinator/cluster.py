@@ -77,7 +77,7 @@ class StageLoad:
     compile_s: float        # every shape bucket compiled (or fetched from the XLA cache)
     weight_bytes: int
     route: str = "grpc"     # how its frames leave: "tcp" (the next worker's data port), "grpc"
-    load_s: float = 0.0     # artifact read and vetted, spec checked (0 from older workers)
+    load_s: float = 0.0     # artifact read and vetted, spec checked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,8 +573,8 @@ class Cluster:
         if port:
             return data_address(nxt.address, port)
         log.warning("stage %d sends to stage %d over gRPC: worker %s has no data port (started "
-                    "with --data-listen off, or a jaxdist without one); a gRPC hop costs more "
-                    "per frame (docs/design.md, 'The data path')", stage, stage + 1, nxt.address)
+                    "with --data-listen off); a gRPC hop costs more per frame (docs/design.md, "
+                    "'The data path')", stage, stage + 1, nxt.address)
         return ""
 
     def answers(self, client: WorkerClient, timeout: float) -> bool:

@@ -19,9 +19,9 @@ Every connection of every pipeline of the process runs on one asyncio loop, in o
 its workers. The callbacks run on that loop: they must not block (the pipeline's resolve a
 future and return).
 
-A worker without a data port (``--data-listen off``, or an older jaxdist), or a cluster with
-gRPC TLS credentials but no TLS files for the data port, is reached over gRPC as before; the
-pipeline logs that choice (:attr:`Pipeline.links`).
+A worker without a data port (``--data-listen off``), or a cluster with gRPC TLS credentials
+but no TLS files for the data port, is reached over gRPC instead; the pipeline logs that choice
+(:attr:`Pipeline.links`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ starts every stage's load in a thread of its own. A stage goes through these pha
 
 The worker knows its phase and the unary ``LoadStage`` does not carry it, so while calls run,
 this module asks each of their workers for ``Info`` every :data:`POLL_S` seconds and reads its
-``loading`` list. A worker that reports nothing there (one older than that field) shows
-``loading`` until its call returns. After each poll, a changed line is drawn through
+``loading`` list. A stage the worker does not list yet shows ``loading`` until it does, or
+until its call returns. After each poll, a changed line is drawn through
 ``progress(what, done, total)``, one part per stage joined by ``" | "``; a part under way ends
 with ``...``, which :class:`jaxdist.cli.progress.ProgressBar` follows with a moving timer.
 

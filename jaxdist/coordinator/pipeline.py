@@ -221,7 +221,7 @@ class Pipeline:
             else:
                 if port:
                     return data_address(client.address, port)
-                why = "it has no data port (--data-listen off, or a jaxdist without one)"
+                why = "it has no data port (--data-listen off)"
         log.warning("pipeline %s reaches worker %s over gRPC, which costs more per frame than "
                     "its data port: %s", self.pipeline_id, client.address, why)
         return ""

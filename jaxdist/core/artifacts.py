@@ -39,8 +39,6 @@ mean three different things. :func:`export_stage` pins every product of a float3
 ``HIGHEST`` (``matmul_precision="auto"``): a stage is float32 when none of its params, state or
 inputs is a half type (bfloat16, float16). A half-precision stage keeps the platform's fast
 products. ``matmul_precision`` overrides it per stage: ``"highest"`` or ``"default"``.
-Artifacts exported before this rule carry no precision and still deploy; on a GPU their float32
-products run as TF32.
 
 Determinism
 -----------

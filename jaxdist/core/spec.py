@@ -38,20 +38,15 @@ __all__ = [
     "validate",
 ]
 
-# Spec format version, "MAJOR.MINOR".
+# Spec format version, "MAJOR.MINOR" (docs/design.md, "Compatibility").
 # Bump rules:
-#   - MINOR: a new optional field that old workers may ignore without changing what a stage
-#     computes (e.g. a new informational field). Workers accept any MINOR of a known MAJOR.
-#   - MAJOR: any change an old worker would misread: a changed meaning of a field, a new
-#     required field, a changed calling convention. Workers refuse unknown MAJOR versions.
+#   - MINOR: a new optional field that a worker of an earlier MINOR may ignore without changing
+#     what a stage computes. Workers accept every MINOR of a MAJOR they know.
+#   - MAJOR: any change an earlier worker would misread: a changed meaning of a field, a new
+#     required field, a changed calling convention. Workers refuse a MAJOR they do not know.
 # Changelog:
-#   1.0 (2026-11-30): first version.
-#   1.1 (2026-12-01): ``control`` (field 18), inputs read from each frame's step-control header.
-#     A 1.0 worker ignores it and refuses such a stage's frames by name (the inputs are missing
-#     from the frame's tensors); it never computes something else.
-#   1.2 (2026-12-02): ``next_data_hop`` (field 19), the next worker's data port. A 1.0 or 1.1
-#     worker ignores it and sends over gRPC to ``next_hop``: the same frames, a slower hop.
-SPEC_VERSION = "1.2"  # what this jaxdist writes into StageSpec.spec_version
+#   1.0: the first release.
+SPEC_VERSION = "1.0"  # what this jaxdist writes into StageSpec.spec_version
 SUPPORTED_SPEC_MAJORS = (1,)
 
 # Matched with fullmatch: "$" would also accept a trailing newline.
@@ -243,7 +238,7 @@ class StageSpec:
     spec_version: str = SPEC_VERSION
     control: tuple[str, ...] = ()
     """Inputs read from each frame's step-control header (:mod:`jaxdist.core.control`), not
-    from its tensors; empty for a stage exported before the header existed."""
+    from its tensors; empty for a stage that reads every input from the tensors."""
     next_data_hop: str = ""
     """``HOST:PORT`` of the next stage's worker's data port (frames over a TCP connection,
     :mod:`jaxdist.core.transport.stream`); empty: over gRPC to ``next_hop``."""

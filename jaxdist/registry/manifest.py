@@ -38,15 +38,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from jaxdist.core.errors import ArtifactError, JaxdistError, SpecError
-from jaxdist.core.spec import (
-    ShapeBucket,
-    StageSpec,
-    StateSig,
-    TensorSig,
-    Versions,
-    WeightRef,
-    validate,
-)
+from jaxdist.core.spec import StageSpec, validate
 from jaxdist.core.vetting import digest_of
 from jaxdist.core.weights.uri import relocate_uri
 from jaxdist.proto import jaxdist_pb2 as pb
@@ -74,11 +66,11 @@ log = logging.getLogger(__name__)
 #     written (a new StageSpec field that matters to a worker counts). Readers refuse versions
 #     they do not know (SUPPORTED_MANIFEST_VERSIONS), naming both.
 # Changelog:
-#   1 (2026-11-30): first version.
-#   2 (2026-12-01): a stage's "spec" is the StageSpec protobuf message in proto3 JSON
-#     (google.protobuf.json_format), no longer jaxdist's own dict form; keys are sorted.
+#   2: the first release. A stage's "spec" is the StageSpec protobuf message in proto3 JSON
+#     (google.protobuf.json_format); keys are sorted. (Version 1, jaxdist's own dict form of a
+#     spec, was never released; it is refused, not read.)
 MANIFEST_VERSION = 2
-SUPPORTED_MANIFEST_VERSIONS = (1, 2)
+SUPPORTED_MANIFEST_VERSIONS = (2,)
 
 MODEL_PLACEHOLDER = "{model}"
 """Stands for the model's location in weight URIs (``gguf://{model}#tok_embd.weight``)."""
@@ -86,7 +78,6 @@ MODEL_PLACEHOLDER = "{model}"
 # StageSpec fields a manifest leaves out: placement is decided at deploy time, bytes live in the
 # registry. tests/test_manifest.py checks that every other field is written.
 PLACEMENT_FIELDS = frozenset({"device", "next_hop", "next_data_hop", "stage_id", "artifact"})
-_VERSION_FIELDS = frozenset(f.name for f in dataclasses.fields(Versions))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,28 +130,6 @@ def _spec_from_json(d: Mapping[str, Any]) -> StageSpec:
     except json_format.ParseError as exc:
         raise SpecError(f"spec is not a StageSpec: {exc}") from None
     return StageSpec.from_proto(msg).replace(device="auto")
-
-
-def _spec_from_v1(d: Mapping[str, Any]) -> StageSpec:
-    """A StageSpec as manifest version 1 wrote it (jaxdist's own dict form, before the
-    protobuf JSON mapping). Kept so that every version 1 manifest still deploys."""
-    return StageSpec(
-        artifact_digest=d["artifact_digest"],
-        inputs=tuple(TensorSig(t["name"], t["dtype"], tuple(t["dims"])) for t in d["inputs"]),
-        outputs=tuple(TensorSig(t["name"], t["dtype"], tuple(t["dims"])) for t in d["outputs"]),
-        weights=tuple(WeightRef(w["param"], w["uri"], tuple(w["shape"]), w["dtype"],
-                                w.get("sha256"), bool(w.get("packed", False)),
-                                bool(w.get("transpose", False)), w.get("quant"))
-                      for w in d.get("weights", ())),
-        state=tuple(StateSig(s["name"], s["dtype"], tuple(s["shape"])) for s in d.get("state", ())),
-        stage_index=int(d["stage_index"]), num_stages=int(d["num_stages"]),
-        buckets=tuple(ShapeBucket({k: int(v) for k, v in b.items()}) for b in d.get("buckets", ())),
-        platforms=tuple(d.get("platforms", ())),
-        versions=Versions(**{k: v for k, v in d.get("versions", {}).items()
-                             if k in _VERSION_FIELDS}),
-        model=d.get("model", ""),
-        spec_version=d["spec_version"],
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +273,7 @@ class Manifest:
                 raise SpecError(f"{source}: 'stages' is empty; a manifest needs at least one")
             for k, s in enumerate(raw_stages):
                 where = f"stages[{k}]"
-                spec = (_spec_from_v1 if version == 1 else _spec_from_json)(s["spec"])
+                spec = _spec_from_json(s["spec"])
                 if spec.artifact_digest != s.get("artifact_digest", spec.artifact_digest):
                     raise SpecError(f"{source}: {where}.artifact_digest "
                                     f"{s['artifact_digest']} differs from its spec's "

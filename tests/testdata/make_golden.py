@@ -1,5 +1,6 @@
 """Make the golden registry that tests/test_compat.py loads: artifacts and a manifest written by
-one jaxdist/jax version, kept in git so that later versions prove they still load and run them.
+jaxdist's first release (spec 1.0, manifest version 2) with jax 0.10.2, kept in git so that later
+versions prove they still load and run them.
 
     python tests/testdata/make_golden.py          # from the repository root
 
@@ -10,9 +11,9 @@ with :func:`write_weights` (seeded, deterministic) into a temporary directory.
 The model is small but exercises every part of the format: two stages, symbolic batch dim,
 a weight bound transposed (stored ``(out, in)``), biases, and per-session state (a running sum).
 
-Regenerate only on purpose, for a new format version: add the new files beside the old ones
-(``--out tests/testdata/golden-v2``) and keep loading the old ones, the way jax keeps its
-export back-compat test data.
+Never regenerate ``golden/`` itself once released. A new format version adds its own registry
+beside it (``--out tests/testdata/golden-<version>``), and the tests keep loading every one, the
+way jax keeps its export back-compat test data (docs/design.md, "Compatibility").
 """
 
 from __future__ import annotations

@@ -37,18 +37,17 @@ from jaxdist.core.errors import ArtifactError
 from jaxdist.core.kernels.build import KernelBuildError, build, find_ggml
 
 __all__ = ["ABI_VERSION", "ATTENTION_TARGET", "ATTENTION_V2_TARGET", "DEQUANTIZE_TARGET",
-           "DEQUANTIZE_V1_TARGET", "KERNEL_TYPES", "MATMUL_V1_TARGET", "MOE_TARGET",
-           "OWN_TARGETS", "TARGET", "KernelBuildError", "KernelInfo", "load", "loaded",
-           "require", "set_isa"]
+           "KERNEL_TYPES", "MOE_TARGET", "OWN_TARGETS", "TARGET", "KernelBuildError",
+           "KernelInfo", "load", "loaded", "require", "set_isa"]
 
 log = logging.getLogger(__name__)
 
 ABI_VERSION = 2
+"""The version of the library's exported C functions (``jaxdist_kernels_*``), checked at load;
+the custom call targets are versioned by their names."""
 TARGET = "jaxdist_ggml_matmul_v2"
 """The custom call target of the quantized matmul (with a mask of the rows to compute); a new
 ABI gets a new name, never a change."""
-MATMUL_V1_TARGET = "jaxdist_ggml_matmul_v1"
-"""The matmul without the row mask: still registered for artifacts exported with it."""
 MOE_TARGET = "jaxdist_ggml_moe_matmul_v1"
 """The quantized matmul of a mixture of experts (ggml's mul_mat_id): x (R, K), the experts'
 blocks (E, N, row_bytes) and ids (T, S) int32 give y (T, S, N), y[t, s] = x_row @ W_ids[t, s].T
@@ -56,20 +55,16 @@ with x_row x[t] (R == T) or x[t * S + s] (R == T * S); a negative id gives zeros
 DEQUANTIZE_TARGET = "jaxdist_ggml_dequantize_v2"
 """GGML blocks to float32 on the CPU (the many-rows path of the matmul), after the activations
 it is for are computed (they are an operand, for ordering only)."""
-DEQUANTIZE_V1_TARGET = "jaxdist_ggml_dequantize_v1"
-"""The same without the ordering operand: still registered for artifacts exported with it."""
 ATTENTION_TARGET = "jaxdist_cache_attention_v1"
 """Attention of a decode step over the slot KV cache, reading only the positions in use. Full
-(causal) attention: what every stage without a sliding window calls, as before the window
-existed, so such a stage runs on workers older than v2."""
+(causal) attention: what every stage without a sliding window calls."""
 ATTENTION_V2_TARGET = "jaxdist_cache_attention_v2"
 """The same with an attribute ``window`` (sliding-window attention: a query at position p sees
 the keys in (p - window, p]; 0 is full attention). Layers with a window call it."""
 
-OWN_TARGETS: frozenset[str] = frozenset({TARGET, MATMUL_V1_TARGET, MOE_TARGET,
-                                         DEQUANTIZE_TARGET, DEQUANTIZE_V1_TARGET,
+OWN_TARGETS: frozenset[str] = frozenset({TARGET, MOE_TARGET, DEQUANTIZE_TARGET,
                                          ATTENTION_TARGET, ATTENTION_V2_TARGET})
-"""Every custom call target of jaxdist's own kernels, in every ABI version it knows."""
+"""Every custom call target of jaxdist's own kernels."""
 
 KERNEL_TYPES: tuple[str, ...] = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
                                  "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -134,14 +129,10 @@ def _register(threads: int) -> KernelInfo:
         raise KernelBuildError(f"{path} has kernels for {types}, expected {KERNEL_TYPES}")
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV2),
                                 platform="cpu")
-    jax.ffi.register_ffi_target(MATMUL_V1_TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMatmulV1),
-                                platform="cpu")
     jax.ffi.register_ffi_target(MOE_TARGET, jax.ffi.pycapsule(lib.JaxdistGgmlMoeMatmulV1),
                                 platform="cpu")
     jax.ffi.register_ffi_target(DEQUANTIZE_TARGET,
                                 jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV2), platform="cpu")
-    jax.ffi.register_ffi_target(DEQUANTIZE_V1_TARGET,
-                                jax.ffi.pycapsule(lib.JaxdistGgmlDequantizeV1), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxdistCacheAttentionV1),
                                 platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_V2_TARGET,

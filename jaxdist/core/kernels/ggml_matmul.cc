@@ -1,4 +1,4 @@
-// jaxdist CPU kernels, ABI version 1: y[M, N] = x[M, K] . W[N, K]^T with W in GGML blocks.
+// jaxdist CPU kernels: y[M, N] = x[M, K] . W[N, K]^T with W in GGML blocks.
 //
 // XLA FFI handlers, called from exported stages through lax.platform_dependent
 // (jaxdist/core/kernels/ops.py). W is bound exactly as the GGUF file stores it: N rows of
@@ -9,15 +9,14 @@
 //   through the public `ggml_get_type_traits_cpu` of the libggml-python wheel, as llama.cpp
 //   does. Then every (row of x, row of W) pair is one dot product: jaxdist's AVX-512 VNNI ones
 //   (wide.h) where the CPU has them and the type has one, else ggml's `vec_dot`.
-//   A third operand, rows (M,) int32, skips the rows of x that are padding (zeros out);
-//   `_v1` (no rows) stays for artifacts exported before.
+//   A third operand, rows (M,) int32, skips the rows of x that are padding (zeros out).
 // - `jaxdist_ggml_moe_matmul_v1`: the same products for a mixture of experts (like ggml's
 //   mul_mat_id): w (E, N, row_bytes) holds E experts, ids (T, S) int32 the experts each token
 //   chose; y[t, s] = x_row . W_e^T (MoeMatmul). The pairs are grouped by expert, so a chosen
 //   expert's W is read once per call for all its rows, and unchosen experts are not read.
 // - `jaxdist_ggml_dequantize_v2`: W to float32 with ggml's `to_float`, for products of many
 //   rows (prefill), which XLA's f32 dot then computes faster than row-pair dot products. It
-//   takes x too, for ordering only; `_v1` (no x) stays for artifacts exported before.
+//   takes x too, for ordering only.
 //
 // Rows of W are split into chunks that the calling thread and up to `threads - 1` helper
 // threads claim from an atomic counter (class Helpers); threads default to the CPUs this
@@ -429,7 +428,7 @@ int64_t ChunkRows(int64_t n, size_t w_row, int64_t live, bool wide) {
   return kRowsPerChunk;
 }
 
-// `rows` (M,) or null: a zero entry skips that row of x, whose row of y is zeros (a padded
+// `rows` (M,): a zero entry skips that row of x, whose row of y is zeros (a padded
 // token of a prefill chunk, an idle slot of a batch).
 ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                       const int32_t* rows, ffi::ResultBuffer<ffi::F32> y, int32_t type) {
@@ -457,7 +456,7 @@ ffi::Error MatmulRows(const char* kTarget, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   thread_local std::vector<int64_t> live_rows;  // reused across calls on this thread
   live_rows.clear();
   for (int64_t i = 0; i < m; ++i) {
-    if (rows == nullptr || rows[i] != 0) {
+    if (rows[i] != 0) {
       live_rows.push_back(i);
     } else {
       std::fill(y->typed_data() + i * n, y->typed_data() + (i + 1) * n, 0.0f);
@@ -642,11 +641,6 @@ ffi::Error MoeMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffe
   return ffi::Error::Success();
 }
 
-ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                  ffi::ResultBuffer<ffi::F32> y, int32_t type) {
-  return MatmulRows("jaxdist_ggml_matmul_v1", x, w, nullptr, y, type);
-}
-
 ffi::Error MatmulMasked(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                         ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t type) {
   constexpr const char* kTarget = "jaxdist_ggml_matmul_v2";
@@ -658,13 +652,19 @@ ffi::Error MatmulMasked(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
 }
 
 // y[N, K] = W in float32: for products of many rows, XLA's f32 dot after this beats
-// quantizing activations (ops.KERNEL_MAX_ROWS).
-ffi::Error Dequantize(ffi::Buffer<ffi::U8> w,
+// quantizing activations (ops.KERNEL_MAX_ROWS). The activations x (M, K) are a first operand
+// that is only checked, never read: it makes each dequantization wait for its layer's input, so
+// XLA cannot schedule every layer's at the start of a stage and hold them all in float32 at once.
+ffi::Error Dequantize(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                       ffi::ResultBuffer<ffi::F32> y, int32_t type) {
-  constexpr const char* kTarget = "jaxdist_ggml_dequantize_v1";
+  constexpr const char* kTarget = "jaxdist_ggml_dequantize_v2";
+  auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto yd = y->dimensions();
-  if (wd.size() != 2 || yd.size() != 2 || yd[0] != wd[0]) {
+  if (xd.size() != 2 || yd.size() != 2 || xd[1] != yd[1]) {
+    return Fail(kTarget, "expected x (M, K) and y (N, K) with the same K");
+  }
+  if (wd.size() != 2 || yd[0] != wd[0]) {
     return Fail(kTarget, "expected w (N, row_bytes) and y (N, K) with the same N");
   }
   const int64_t n = wd[0], k = yd[1];
@@ -685,20 +685,6 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> w,
   job->to_float = tt->to_float;
   Run(job, n * k * 8 >= kMinSplitWork);  // an element costs about as much as 8 MACs
   return ffi::Error::Success();
-}
-
-// v2: the same, with the activations x (M, K) as a first operand that is only checked, never
-// read. It makes each dequantization wait for its layer's input, so XLA cannot schedule every
-// layer's at the start of a stage and hold them all in float32 at once.
-ffi::Error DequantizeAfter(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                           ffi::ResultBuffer<ffi::F32> y, int32_t type) {
-  auto xd = x.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2 || xd[1] != yd[1]) {
-    return Fail("jaxdist_ggml_dequantize_v2",
-                "expected x (M, K) and y (N, K) with the same K");
-  }
-  return Dequantize(w, y, type);
 }
 
 // The wide kernels run where the CPU has their ISA and ggml's activation blocks are the ones
@@ -746,12 +732,6 @@ void ParallelFor(int64_t n, int64_t per_chunk, const std::function<void(int64_t,
 }  // namespace jaxdist_pool
 
 #pragma GCC visibility push(default)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV1, Matmul,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("ggml_type"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMatmulV2, MatmulMasked,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -766,12 +746,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlMoeMatmulV1, MoeMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("ggml_type"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlDequantizeV1, Dequantize,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("ggml_type"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlDequantizeV2, DequantizeAfter,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdistGgmlDequantizeV2, Dequantize,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()

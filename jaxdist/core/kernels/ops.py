@@ -229,8 +229,7 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: 
     ATTENTION_MAX_QUERIES tokens, else portable>, default=portable)``. The kernel reads only
     the positions each query sees, and gives zeros for a row of length 0 (garbage in the
     portable form; callers ignore such rows). Full attention calls
-    :data:`~jaxdist.core.kernels.ATTENTION_TARGET` (v1), as every stage did before windows
-    existed, so such a stage still runs on a worker older than v2; a window calls
+    :data:`~jaxdist.core.kernels.ATTENTION_TARGET` (v1); a window calls
     :data:`~jaxdist.core.kernels.ATTENTION_V2_TARGET`.
 
     Raises:

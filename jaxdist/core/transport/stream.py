@@ -10,7 +10,8 @@ It runs on asyncio streams, over plain TCP or over TLS with the worker's own fil
 Wire format, version :data:`VERSION` (integers little-endian)::
 
     server -> client   hello     MAGIC | version u8 | flags u8 | max_message u32 | nonce (32)
-    client -> server   answer    MAGIC | version u8 | proof (32) [| mode u8]
+    client -> server   answer    MAGIC | 1 | proof (32)                           (frames)
+                  or answer      MAGIC | 2 | proof (32) | mode u8
                   or hop answer  MAGIC | 3 | hop proof (32) | length u16 | pipeline id (UTF-8)
     server -> client   verdict   a status record; empty: accepted
 
@@ -23,15 +24,14 @@ then, in the connection's mode:
                        server -> client   length u32 | one serialized Event   (repeated)
                                           then at most a goodbye: length 0, a status record
 
-An answer of version 1 has no mode byte and asks for frames (what a coordinator sends to
-stage 0); an answer of version 2 carries the mode. A server that takes version 2
-says so in its hello's flags (:data:`FLAG_MODES`): an older one is never sent an answer it
-cannot read. The events mode is a coordinator's subscription (``Subscribe`` without gRPC).
+A coordinator's answer of version 1 has no mode byte and asks for frames (what it sends to
+stage 0); its answer of version 2 carries the mode (the events mode is its subscription,
+``Subscribe`` without gRPC). A server reads both.
 
 A worker's stage sending to the next stage's worker gives a hop answer (version
-:data:`HOP_VERSION`, to a server whose hello has :data:`FLAG_HOPS`): it names its pipeline and
-proves the pipeline's hop credential (``transport/hop.py``), never the token. Such a connection
-is in the frames mode and carries frames of that pipeline only.
+:data:`HOP_VERSION`): it names its pipeline and proves the pipeline's hop credential
+(``transport/hop.py``), never the token. Such a connection is in the frames mode and carries
+frames of that pipeline only.
 
 A status record is ``length u32 | UTF-8 text``, the text ``CODE\\nErrorClass\\nmessage``: a
 status code name as on gRPC, read back into an error class by ``transport/status.py``.
@@ -64,8 +64,8 @@ import grpc
 from jaxdist.core.errors import AuthError, CodecError, JaxdistError, LimitError, TransportError
 from jaxdist.core.transport import hop, status
 
-__all__ = ["CONTEXT", "FLAG_HOPS", "FLAG_MODES", "FLAG_TOKEN", "HOP_CONTEXT", "HOP_VERSION",
-           "MAGIC", "MODE_EVENTS", "MODE_FRAMES", "VERSION", "Hello", "IdleWatch",
+__all__ = ["CONTEXT", "FLAG_TOKEN", "HOP_CONTEXT", "HOP_VERSION", "MAGIC", "MODES_VERSION",
+           "MODE_EVENTS", "MODE_FRAMES", "VERSION", "Hello", "IdleWatch",
            "client_handshake", "hop_proof", "proof", "read_message", "read_status",
            "server_handshake", "write_goodbye", "write_message", "write_status"]
 
@@ -74,10 +74,9 @@ VERSION = 1
 CONTEXT = b"jaxdist data connection, protocol version 1: client proof"
 """What the client's proof is bound to besides the nonce: this protocol and its version, so a
 proof made for anything else is no proof here."""
-FLAG_TOKEN = 1  # the server requires a proof of the token
-FLAG_MODES = 2  # the server reads answers of version 2 (with a mode byte)
-FLAG_HOPS = 4  # the server reads hop answers (version 3: a pipeline's hop credential)
-HOP_VERSION = 3
+FLAG_TOKEN = 1  # the server requires a proof of the token (the hello's only flag)
+MODES_VERSION = 2  # a coordinator's answer with a mode byte
+HOP_VERSION = 3  # a hop answer: a pipeline's hop credential
 HOP_CONTEXT = b"jaxdist data connection, protocol version 3: hop proof"
 """What a hop proof is bound to besides the nonce (a token proof is never a hop proof)."""
 MODE_FRAMES = 0  # the client sends frames
@@ -314,14 +313,13 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
         TransportError: the client closed the connection first.
     """
     nonce = secrets.token_bytes(NONCE_BYTES)
-    flags = (FLAG_MODES | (FLAG_TOKEN if key is not None else 0)
-             | (FLAG_HOPS if hop_keys is not None else 0))
+    flags = FLAG_TOKEN if key is not None else 0
     writer.write(_HELLO.pack(MAGIC, VERSION, flags, max_message, nonce))
     mode = MODE_FRAMES
     name = b""
     try:
         magic, version, given = _ANSWER.unpack(await reader.readexactly(_ANSWER.size))
-        if magic == MAGIC and version == 2:
+        if magic == MAGIC and version == MODES_VERSION:
             mode = (await reader.readexactly(1))[0]
         elif magic == MAGIC and version == HOP_VERSION and hop_keys is not None:
             (n,) = _HOP_LENGTH.unpack(await reader.readexactly(_HOP_LENGTH.size))
@@ -329,7 +327,8 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     except asyncio.IncompleteReadError:
         raise TransportError("the client closed the data connection during the handshake"
                              ) from None
-    versions = (VERSION, 2, HOP_VERSION) if hop_keys is not None else (VERSION, 2)
+    versions = ((VERSION, MODES_VERSION, HOP_VERSION) if hop_keys is not None
+                else (VERSION, MODES_VERSION))
     pipeline: str | None = None
     error: JaxdistError | None = None
     if magic != MAGIC:
@@ -401,8 +400,7 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
     Raises:
         AuthError: the server refused the proof, or asked for one and ``key`` is ``None``.
-        CodecError: the server does not speak this protocol or version, or not ``mode`` (an
-            older worker has only frames), or takes no hop answer.
+        CodecError: the server does not speak this protocol or version.
         TransportError: the connection closed first.
     """
     if hop_pipeline is not None and mode != MODE_FRAMES:
@@ -422,9 +420,6 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     needs_token = bool(flags & FLAG_TOKEN)
     if hop_pipeline is not None:
         name = hop_pipeline.encode("utf-8")
-        if not flags & FLAG_HOPS:
-            raise CodecError(f"data port {peer} takes no hop credentials (a jaxdist worker "
-                             f"older than version {HOP_VERSION} of its data protocol)")
         if len(name) > 0xFFFF:
             raise CodecError(f"pipeline id of {len(name)} bytes is too long for a hop answer")
         answer = (hop_proof(hop_credential, nonce) if needs_token and hop_credential is not None
@@ -433,11 +428,8 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
                      + name)
     elif mode == MODE_FRAMES:
         writer.write(_ANSWER.pack(MAGIC, VERSION, _token_answer(key, nonce, needs_token)))
-    elif not flags & FLAG_MODES:
-        raise CodecError(f"data port {peer} takes only frames (a jaxdist worker older than "
-                         f"the {MODES.get(mode, mode)} mode of its data protocol)")
     else:
-        writer.write(_ANSWER.pack(MAGIC, 2, _token_answer(key, nonce, needs_token))
+        writer.write(_ANSWER.pack(MAGIC, MODES_VERSION, _token_answer(key, nonce, needs_token))
                      + bytes((mode,)))
     await writer.drain()
     refused = await read_status(reader, peer)
