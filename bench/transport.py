@@ -252,7 +252,8 @@ def _identity_model(n_units: int) -> Any:
     from jaxdist.export.model import Model, Unit
 
     return Model(f"identity{n_units}", units=[Unit(f"u{i}", _identity) for i in range(n_units)],
-                 inputs={"x": ("b, n", "float32")}, buckets=[{"b": 1, "n": 1024}])
+                 inputs={"x": ("b, n", "float32")}, buckets=[{"b": 1, "n": 1024}],
+                 any_shape=True)  # the bandwidth sweep sends 4 KiB .. 64 MiB
 
 
 HOP_TARGET_MS = 0.15  # issue #12: one more worker hop of a 4 KB frame

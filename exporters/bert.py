@@ -302,7 +302,11 @@ def bert_model(path: str | os.PathLike[str], *, roots: Roots, dtype: str = "floa
                  {"input_ids": ("b, s", "int32"), "attention_mask": ("b, s", "int32")},
                  # Positions past the table would be clipped, silently wrong: refuse them.
                  constraints=(f"s <= {cfg.max_position}",),
-                 buckets=[{"b": 1, "s": n} for n in lengths], meta=meta)
+                 buckets=[{"b": 1, "s": n} for n in lengths], meta=meta,
+                 # The front ends (jaxdist embed, /v1/embeddings) send every text of a request
+                 # in one step, and a text longer than every bucket at its own length: shapes
+                 # beyond the buckets, compiled on first use under the workers' bound.
+                 any_shape=True)
 
 
 def _param(infos: Mapping[str, WeightInfo], path: str, name: str, shape: tuple[int, ...],

@@ -15,11 +15,16 @@ def _dense(params, state, carry):
     return {"x": jnp.tanh(carry["x"] @ params["w"])}, {}
 
 
-def mlp(n_layers: int = 4, d: int = D, name: str = "mlp") -> Model:
-    """An MLP whose weights live in ``mlp.safetensors`` under the weights root."""
+def mlp(n_layers: int = 4, d: int = D, name: str = "mlp", any_shape: bool = True) -> Model:
+    """An MLP whose weights live in ``mlp.safetensors`` under the weights root.
+
+    Its bucket, ``b=4``, is compiled when it loads; ``any_shape`` (the default here, since the
+    tests send many batch sizes) lets it take other batch sizes too, each compiled on first
+    use. ``any_shape=False``: a frame of another batch size is refused."""
     units = [Unit(f"l{i}", _dense, {"w": Param(f"safetensors://mlp.safetensors#l{i}.w", (d, d))})
              for i in range(n_layers)]
-    return Model(name, units, inputs={"x": ("b, %d" % d, "float32")}, buckets=[{"b": 4}])
+    return Model(name, units, inputs={"x": ("b, %d" % d, "float32")}, buckets=[{"b": 4}],
+                 any_shape=any_shape)
 
 
 def mlp_reference(root, x: np.ndarray, n_layers: int = 4) -> np.ndarray:

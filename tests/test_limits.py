@@ -9,6 +9,7 @@ deployed ``Pipeline`` as ``RemoteStageError`` carrying the worker's status in ``
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from jaxdist.core import artifacts
 from jaxdist.core.errors import LimitError, RemoteStageError, SessionError
 from jaxdist.core.sessions import SessionStore
 from jaxdist.export.model import Model, Unit
+from jaxdist.export.stages import build_stage_specs
 from jaxdist.proto import jaxdist_pb2 as pb
 from jaxdist.proto import jaxdist_pb2_grpc as pb_grpc
 
@@ -157,31 +159,138 @@ def test_error_ids_over_limit(served):
     served.check_serves()
 
 
-def test_error_compiled_shapes_over_limit(mlp_root):
-    """Each new batch size compiles a new executable, cached until unload (+214 MB and 8 s of
-    CPU for 120 of them): a stage compiles at most --max-compiled-shapes, its buckets included."""
-    worker, cluster = _spawn(mlp_root, ["--max-compiled-shapes", "2"])
+# -- shapes -----------------------------------------------------------------------------------
+
+
+def _rows(b: int) -> np.ndarray:
+    return np.random.default_rng(b).standard_normal((b, D)).astype(np.float32)
+
+
+def test_error_frame_outside_buckets(served):
+    """A spec with buckets takes their shapes only: a frame of another shape is refused before
+    anything compiles (a flood of distinct batch sizes compiled and kept 120 executables), and
+    the same pipeline, session included, goes on with a frame of a bucket's shape."""
+    with served.cluster.deploy(mlp(name="strict", any_shape=False), stages=1) as pipe:
+        assert [b.dims for b in pipe.specs[0].buckets] == [{"b": 4}]
+        assert not pipe.specs[0].any_shape
+        with pytest.raises(RemoteStageError) as err:
+            pipe.call(x=_rows(3), timeout=60)
+        e = err.value
+        assert e.code == "INVALID_ARGUMENT" and e.remote_type == "SpecError", e
+        assert e.stage == 0 and e.address == served.worker.address
+        assert (f"stage 0: input shapes x (3, {D}) (b=3) are in none of its 1 buckets (b=4); "
+                f"the spec takes those shapes only (StageSpec.any_shape is false): pad the "
+                f"inputs to a bucket") in e.message, e.message
+        np.testing.assert_allclose(pipe.call(x=_rows(4), timeout=60)["x"],
+                                   mlp_reference(served.root, _rows(4)), rtol=1e-5, atol=1e-6)
+    # A session: the refused step leaves its state as it was, and is sent again.
+    acc = dataclasses.replace(accumulator(), name="acc-strict", buckets=[{"b": 2}])
+    two = np.ones((2, 4), np.float32)
+    with served.cluster.deploy(acc, stages=1) as pipe:
+        pipe.call(x=two, session_id="s", step=0, timeout=60)
+        with pytest.raises(RemoteStageError, match=r"input shapes x \(3, 4\) \(b=3\) are in "
+                                                   r"none of its 1 buckets \(b=2\)"):
+            pipe.call(x=np.ones((3, 4), np.float32), session_id="s", step=1, timeout=60)
+        out = pipe.call(x=two, session_id="s", step=1, timeout=60)
+        # The first unit's sums are 2, 4; the second's running total of them is 2 + 4.
+        np.testing.assert_array_equal(out["total"], np.full((4,), 6.0, np.float32))
+        pipe.end_session("s")
+    served.check_serves()
+
+
+def test_any_shape_and_bucketless_specs_compile_other_shapes(served):
+    """``any_shape``, or no buckets at all: a shape no bucket declares is compiled when it
+    first comes, as before buckets were binding."""
+    lazy = dataclasses.replace(mlp(name="lazy", any_shape=False), buckets=())
+    for model in (mlp(name="any", any_shape=True), lazy):
+        with served.cluster.deploy(model, stages=1) as pipe:
+            assert pipe.specs[0].any_shape == model.any_shape
+            assert not pipe.specs[0].strict_shapes
+            for b in (3, 5):
+                np.testing.assert_allclose(pipe.call(x=_rows(b), timeout=60)["x"],
+                                           mlp_reference(served.root, _rows(b)), rtol=1e-5,
+                                           atol=1e-6)
+    served.check_serves()
+
+
+SHAPES_LIMIT = 4
+
+
+@pytest.fixture(scope="module")
+def shapes_worker(mlp_root):
+    worker, cluster = _spawn(mlp_root, ["--max-compiled-shapes", str(SHAPES_LIMIT)])
     try:
-        with cluster.deploy(mlp(), stages=1) as pipe:  # its bucket, b=4, is shape 1
-            x = np.random.default_rng(4).standard_normal((5, D)).astype(np.float32)
-            np.testing.assert_allclose(pipe.call(x=x[:3], timeout=60)["x"],
-                                       mlp_reference(mlp_root, x[:3]), rtol=1e-5, atol=1e-6)
-            with pytest.raises(RemoteStageError) as err:  # a third shape
-                pipe.call(x=x, timeout=60)
-            assert err.value.code == "RESOURCE_EXHAUSTED"
-            assert (f"stage 0: input shapes (({5}, {D}),) would be compiled shapes number 3, "
-                    f"over the limit of the worker (--max-compiled-shapes=2)") in err.value.message
-            for b in (4, 3):  # the compiled shapes still run
-                np.testing.assert_allclose(pipe.call(x=x[:b], timeout=60)["x"],
-                                           mlp_reference(mlp_root, x[:b]), rtol=1e-5, atol=1e-6)
-            with pytest.raises(LimitError, match=r"has 3 buckets to compile, over the limit of "
-                                                 r"this worker \(--max-compiled-shapes=2\)"):
-                cluster.deploy(Model("three", mlp().units,
-                                     inputs={"x": (f"b, {D}", "float32")},
-                                     buckets=[{"b": 1}, {"b": 2}, {"b": 4}]), stages=1)
+        yield worker, cluster
     finally:
         cluster.close()
         stop_workers([worker])
+
+
+def test_error_compiled_shapes_over_limit(shapes_worker, mlp_root):
+    """Each new batch size compiles a new executable, kept until unload (+214 MB and 8 s of
+    CPU for 120 of them): the stages of one pipeline on a worker compile at most
+    --max-compiled-shapes together, their buckets included; another pipeline has its own."""
+    _, cluster = shapes_worker
+    with cluster.deploy(mlp(any_shape=True), stages=2) as pipe:  # both stages on the worker
+        assert pipe.clients[0].address == pipe.clients[1].address
+        # Each stage's bucket, b=4: shapes 1 and 2 of the pipeline. b=3: 3 and 4.
+        for b in (4, 3):
+            np.testing.assert_allclose(pipe.call(x=_rows(b), timeout=60)["x"],
+                                       mlp_reference(mlp_root, _rows(b)), rtol=1e-5, atol=1e-6)
+        with pytest.raises(RemoteStageError) as err:  # each stage holds 2 shapes, under 4
+            pipe.call(x=_rows(5), timeout=60)
+        e = err.value
+        assert e.code == "RESOURCE_EXHAUSTED" and e.remote_type == "LimitError" and e.stage == 0
+        assert (f"stage 0 of pipeline {pipe.pipeline_id!r}: input shapes ((5, {D}),) would be "
+                f"compiled shape number 5 of the pipeline on this worker, over its limit "
+                f"(--max-compiled-shapes={SHAPES_LIMIT}, per pipeline); pad the inputs to a "
+                f"shape it has compiled, such as [(({4}, {D}),), (({3}, {D}),)]") in e.message, \
+            e.message
+        with cluster.deploy(mlp(any_shape=True, name="other"), stages=1) as other:
+            for b in (4, 3, 5):  # its own budget: 3 shapes of 4
+                np.testing.assert_allclose(other.call(x=_rows(b), timeout=60)["x"],
+                                           mlp_reference(mlp_root, _rows(b)), rtol=1e-5,
+                                           atol=1e-6)
+        for b in (4, 3):  # the compiled shapes still run
+            np.testing.assert_allclose(pipe.call(x=_rows(b), timeout=60)["x"],
+                                       mlp_reference(mlp_root, _rows(b)), rtol=1e-5, atol=1e-6)
+    assert shapes_worker[0].alive()
+
+
+def test_error_load_stage_buckets_over_pipeline_budget(shapes_worker):
+    """A stage whose buckets would take its pipeline past --max-compiled-shapes is refused at
+    LoadStage, before it compiles; another pipeline, or the same once a stage is unloaded, has
+    room again."""
+    worker, _ = shapes_worker
+    three = Model("three", mlp().units, inputs={"x": (f"b, {D}", "float32")},
+                  buckets=[{"b": 1}, {"b": 2}, {"b": 4}])
+    built = build_stage_specs(three, [range(0, 2), range(2, 4)], platforms=("cpu",))
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = pb_grpc.WorkerStub(channel)
+        for b in built:
+            art = b.artifact
+            stub.UploadArtifact(iter([pb.ArtifactChunk(digest=art.digest, data=art.data,
+                                                       total_bytes=len(art.data))]), timeout=60)
+
+        def load(k: int, pipeline: str) -> pb.LoadStageReply:
+            spec = built[k].spec.replace(stage_id=f"{pipeline}/{k}")
+            return stub.LoadStage(pb.LoadStageRequest(spec=spec.to_proto(),
+                                                      pipeline_id=pipeline), timeout=120)
+
+        assert load(0, "p").compile_s > 0  # shapes 1 to 3 of pipeline p
+        code, msg = _status(lambda: load(1, "p"))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert msg == (f"LoadStage: stage 1 of pipeline 'p' has 3 buckets to compile, and the "
+                       f"pipeline holds 3 compiled shapes on this worker: over its limit "
+                       f"(--max-compiled-shapes={SHAPES_LIMIT}, per pipeline)")
+        assert {st.stage_id for st in stub.Info(pb.InfoRequest()).stages} >= {"p/0"}
+        assert "p/1" not in {st.stage_id for st in stub.Info(pb.InfoRequest()).stages}
+        load(1, "q")  # another pipeline: a budget of its own
+        assert stub.UnloadStage(pb.UnloadStageRequest(stage_id="p/0"), timeout=60).unloaded
+        load(1, "p")  # p's shapes were given back with its stage
+        for stage_id in ("p/1", "q/1"):
+            stub.UnloadStage(pb.UnloadStageRequest(stage_id=stage_id), timeout=60)
+    assert worker.alive()
 
 
 # -- frames -----------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def _full_spec() -> StageSpec:
         state=(StateSig("k", "float32", (2, 8)),), device="cuda:1", stage_index=1,
         num_stages=3, next_hop="h:1", buckets=(ShapeBucket({"b": 4}),),
         platforms=("cpu", "cuda"), model="m", stage_id="p/1", artifact=b"bytes",
-        control=("pos",))
+        control=("pos",), any_shape=True)
 
 
 def test_every_spec_field_but_placement_is_written() -> None:

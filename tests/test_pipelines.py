@@ -111,3 +111,23 @@ def test_unload_by_pipeline_or_stage_id_takes_the_stages_and_the_key(runtimes):
     assert table.runtimes() == [] and table.opens(a.pipeline_id, OTHER)
     table.install(a, KEY, abandoned=lambda: False)
     assert table.clear() == [a] and table.runtimes() == []
+
+
+def test_compiled_shapes_are_counted_per_pipeline():
+    """--max-compiled-shapes bounds each pipeline's shapes on its own; a stage being replaced
+    does not count against its replacement, and what is given back is charged again."""
+    table = LoadedPipelines("127.0.0.1:1", lambda pipeline_id: False, max_compiled_shapes=4)
+    assert table.charge_shapes("p", 3) is None and table.shapes_held("p") == 3
+    assert table.charge_shapes("p", 2) == 3  # refused: the shapes held, nothing charged
+    assert table.shapes_held("p") == 3
+    assert table.charge_shapes("q", 4) is None  # another pipeline: a budget of its own
+    assert table.charge_shapes("p", 2, leaving=3) is None  # replaces the stage holding 3
+    assert table.shapes_held("p") == 5
+    table.refund_shapes("p", 3)  # the replaced stage stops
+    budget = table.shape_budget("p")
+    assert (budget.limit, budget.held()) == (4, 2)
+    assert budget.charge(2) and not budget.charge(1)
+    budget.refund(4)
+    assert table.shapes_held("p") == 0 and table.shapes_held("q") == 4
+    unbounded = LoadedPipelines("127.0.0.1:1", lambda pipeline_id: False)
+    assert unbounded.charge_shapes("p", 1000) is None

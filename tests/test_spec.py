@@ -59,6 +59,7 @@ def full_spec() -> StageSpec:
         stage_id="pipe-7/1",
         artifact=b"\x00\x01inline artifact bytes\xff",
         spec_version=SPEC_VERSION,
+        any_shape=True,
     )
 
 
@@ -91,6 +92,19 @@ def test_round_trip_minimal_spec_keeps_defaults() -> None:
     assert back == spec
     assert back.artifact is None and back.weights == () and back.state == ()
     assert back.device == "auto" and back.next_hop == "" and back.spec_version == SPEC_VERSION
+    assert back.any_shape is False
+    # Left at its default, any_shape is not on the wire: what was written before it existed
+    # (the golden registry) reads the same.
+    assert "any_shape" not in str(spec.to_proto())
+
+
+def test_strict_shapes_needs_buckets_and_not_any_shape() -> None:
+    spec = full_spec()
+    assert spec.buckets and spec.any_shape and not spec.strict_shapes
+    assert spec.replace(any_shape=False).strict_shapes
+    # With no buckets there is nothing to hold a frame to: any shape, compiled on first use.
+    assert not spec.replace(any_shape=False, buckets=()).strict_shapes
+    assert StageSpec.deserialize(spec.replace(any_shape=False).serialize()).strict_shapes
 
 
 def test_byte_counts() -> None:

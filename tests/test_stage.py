@@ -209,13 +209,33 @@ def test_mlp_buckets_are_compiled_ahead_of_time(mlp_pipeline: InProcessPipeline)
     assert (s0.compile_seconds, s1.compile_seconds) == before  # a bucket: nothing compiled
 
 
-def test_mlp_shape_outside_buckets_compiles_on_demand(mlp_pipeline: InProcessPipeline) -> None:
+def test_mlp_shape_outside_buckets_is_refused(mlp_pipeline: InProcessPipeline) -> None:
+    """A spec with buckets takes their shapes only (StageSpec.any_shape false): another one is
+    refused before anything compiles, and the pipeline goes on."""
     s0 = mlp_pipeline.stages[0]
     x = np.random.default_rng(3).standard_normal((3, D)).astype(np.float32)
-    out = mlp_pipeline.call({"x": x})
-    assert ((3, D),) in s0.compiled_shapes
-    np.testing.assert_allclose(out["y"], mlp_reference(x, mlp_reference_weights()),
+    with pytest.raises(SpecError) as err:
+        mlp_pipeline.call({"x": x})
+    assert str(err.value) == (
+        f"stage 0: input shapes x (3, {D}) (b=3) are in none of its 2 buckets (b=1; b=4); the "
+        f"spec takes those shapes only (StageSpec.any_shape is false): pad the inputs to a "
+        f"bucket")
+    assert ((3, D),) not in s0.compiled_shapes
+    out = mlp_pipeline.call({"x": x[:1]})
+    np.testing.assert_allclose(out["y"], mlp_reference(x[:1], mlp_reference_weights()),
                                rtol=RTOL, atol=ATOL)
+
+
+def test_mlp_any_shape_compiles_outside_buckets_on_demand(root: Path) -> None:
+    model = dataclasses.replace(mlp_model(), any_shape=True)
+    with InProcessPipeline(model, weights_roots=[root], stages=2) as pipe:
+        s0 = pipe.stages[0]
+        assert s0.spec.any_shape and s0.compiled_shapes == [((1, D),), ((4, D),)]
+        x = np.random.default_rng(3).standard_normal((3, D)).astype(np.float32)
+        out = pipe.call({"x": x})
+        assert ((3, D),) in s0.compiled_shapes
+        np.testing.assert_allclose(out["y"], mlp_reference(x, mlp_reference_weights()),
+                                   rtol=RTOL, atol=ATOL)
 
 
 # -- a transformer block with a resident KV cache -------------------------------------------------
@@ -449,15 +469,19 @@ def test_error_wrong_input_shape(mlp_stage0: WorkerStage) -> None:
 
 def test_input_checks_hold_after_a_shape_is_remembered(mlp_stage0: WorkerStage) -> None:
     """The dims check of a shape runs once, then is remembered; a wrong shape or dtype is still
-    refused every time, before and after a good shape of the same rank."""
-    good = np.zeros((2, D), np.float32)
-    assert mlp_stage0.check_inputs({"x": good}) == ((2, D),)
+    refused every time, before and after a good shape of the same rank; so is a shape in none
+    of the buckets."""
+    good = np.zeros((4, D), np.float32)
+    assert mlp_stage0.check_inputs({"x": good}) == ((4, D),)
     for _ in range(2):
-        assert mlp_stage0.check_inputs({"x": good}) == ((2, D),)
-        with pytest.raises(SpecError, match=r"expected dims \(b, 32\), found \(2, 31\)"):
-            mlp_stage0.check_inputs({"x": np.zeros((2, 31), np.float32)})
+        assert mlp_stage0.check_inputs({"x": good}) == ((4, D),)
+        with pytest.raises(SpecError, match=r"expected dims \(b, 32\), found \(4, 31\)"):
+            mlp_stage0.check_inputs({"x": np.zeros((4, 31), np.float32)})
         with pytest.raises(SpecError, match=r"expected dtype float32, found float64"):
             mlp_stage0.check_inputs({"x": good.astype(np.float64)})
+        with pytest.raises(SpecError, match=r"input shapes x \(2, 32\) \(b=2\) are in none of "
+                                            r"its 2 buckets \(b=1; b=4\)"):
+            mlp_stage0.check_inputs({"x": np.zeros((2, D), np.float32)})
 
 
 def test_error_wrong_input_dtype(mlp_stage0: WorkerStage) -> None:

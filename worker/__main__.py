@@ -174,8 +174,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "in UTF-8 bytes; a request with a longer one is refused "
                              "(default %(default)s)")
     limits.add_argument("--max-compiled-shapes", type=int, default=64, metavar="N",
-                        help="input shapes compiled per stage, its buckets included; a frame "
-                             "of a further shape is refused (default %(default)s)")
+                        help="input shapes compiled per pipeline, the buckets of all its "
+                             "stages here included; a stage or a frame of a further shape is "
+                             "refused (default %(default)s)")
     limits.add_argument("--max-subscriber-events", type=int, default=1024, metavar="N",
                         help="events waiting for one coordinator's subscription; a subscriber "
                              "that lets more pile up is dropped (default %(default)s)")

@@ -44,7 +44,7 @@ class WorkerConfig:
     max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
     max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
     max_id_bytes: int = MAX_ID_BYTES                  # longest id or model name kept
-    max_compiled_shapes: int = 64                     # input shapes compiled per stage
+    max_compiled_shapes: int = 64                     # input shapes compiled per pipeline
     max_subscriber_events: int = 1024                 # events waiting for one subscription and
     max_subscriber_bytes: int = 256 << 20             # their bytes; past either, it is dropped
     max_queued_event_bytes: int = 512 << 20           # bytes of events waiting, all subscriptions;

@@ -9,6 +9,11 @@ of its pipeline is loaded here.
 A pipeline loaded with a lease is unloaded when nobody has subscribed to its results here for
 the lease's seconds: a coordinator killed or cut off leaves no stage behind to hold its memory
 (:meth:`LoadedPipelines.watch_leases`, a thread of the servicer).
+
+The input shapes a pipeline has compiled here, by all its stages together, are bounded
+(``--max-compiled-shapes``): each stage's buckets are charged when it loads, each further shape
+when a frame brings it, and an unloaded stage gives its shapes back
+(:meth:`LoadedPipelines.shape_budget`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from jaxdist.core.runtime import StageRuntime
 from jaxdist.core.weights.uri import clip
 
 __all__ = ["LEASE_PERIOD_S", "MAX_KEY_BYTES", "MAX_LEASE_S", "MIN_KEY_BYTES", "LoadedPipelines",
-           "stop_unloaded"]
+           "PipelineShapes", "stop_unloaded"]
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +57,42 @@ def stop_unloaded(runtimes: list[StageRuntime]) -> int:
     return n
 
 
+class PipelineShapes:
+    """One pipeline's compiled-shape budget here (a ``jaxdist.core.runtime.ShapeBudget``): a
+    view of :class:`LoadedPipelines`' count for it."""
+
+    def __init__(self, pipelines: LoadedPipelines, pipeline_id: str) -> None:
+        self._pipelines = pipelines
+        self.pipeline_id = pipeline_id
+        self.limit = pipelines.max_compiled_shapes
+
+    def held(self) -> int:
+        return self._pipelines.shapes_held(self.pipeline_id)
+
+    def charge(self, n: int) -> bool:
+        return self._pipelines.charge_shapes(self.pipeline_id, n) is None
+
+    def refund(self, n: int) -> None:
+        self._pipelines.refund_shapes(self.pipeline_id, n)
+
+
 class LoadedPipelines:
-    """The stage runtimes of one worker by ``(pipeline_id, stage_index)``, with the keys and
-    leases of their pipelines. Thread-safe; :meth:`get` and :meth:`key_matches`, called per
-    frame on the data-plane loop, take no lock.
+    """The stage runtimes of one worker by ``(pipeline_id, stage_index)``, with the keys,
+    leases and compiled-shape counts of their pipelines. Thread-safe; :meth:`get` and
+    :meth:`key_matches`, called per frame on the data-plane loop, take no lock.
 
     Args:
         address: the worker's address, for error messages.
         subscribed: whether anyone subscribes to a pipeline's results here (``Hub.subscribed``);
             what keeps a leased pipeline loaded.
+        max_compiled_shapes: input shapes the stages of one pipeline may have compiled here
+            together (``--max-compiled-shapes``); 0: no bound.
     """
 
-    def __init__(self, address: str, subscribed: Callable[[str], bool]) -> None:
+    def __init__(self, address: str, subscribed: Callable[[str], bool], *,
+                 max_compiled_shapes: int = 0) -> None:
         self.address = address
+        self.max_compiled_shapes = max_compiled_shapes
         self._subscribed = subscribed
         self._stages: dict[tuple[str, int], StageRuntime] = {}
         self._lock = threading.Lock()
@@ -72,6 +100,9 @@ class LoadedPipelines:
         self._leases: dict[str, list[float]] = {}
         # pipeline -> its key (LoadStageRequest.pipeline_key), while a stage of it is loaded
         self._keys: dict[str, bytes] = {}
+        # pipeline -> input shapes its stages hold compiled, or reserved by loads under way;
+        # an entry goes when it falls to 0
+        self._shapes: dict[str, int] = {}
 
     def runtimes(self) -> list[StageRuntime]:
         """The loaded stages, as they are now."""
@@ -138,6 +169,40 @@ class LoadedPipelines:
         """Drop the keys of pipelines with no stage left here (under ``_lock``)."""
         for pipeline_id in set(self._keys) - {k[0] for k in self._stages}:
             del self._keys[pipeline_id]
+
+    # -- compiled shapes --------------------------------------------------------------------
+
+    def shape_budget(self, pipeline_id: str) -> PipelineShapes:
+        """``pipeline_id``'s compiled-shape budget, for its stage runtimes."""
+        return PipelineShapes(self, pipeline_id)
+
+    def shapes_held(self, pipeline_id: str) -> int:
+        """Input shapes ``pipeline_id``'s stages hold compiled here, or loads reserved."""
+        with self._lock:
+            return self._shapes.get(pipeline_id, 0)
+
+    def charge_shapes(self, pipeline_id: str, n: int, *, leaving: int = 0) -> int | None:
+        """Charge ``n`` compiled shapes to ``pipeline_id``. ``leaving``: shapes held by a
+        stage this load replaces, not counted against the limit (they are given back when the
+        old stage stops). Returns None when charged; else, charging nothing, the shapes the
+        pipeline holds (less ``leaving``), for the caller's refusal."""
+        with self._lock:
+            held = self._shapes.get(pipeline_id, 0)
+            limit = self.max_compiled_shapes
+            if limit and max(held - leaving, 0) + n > limit:
+                return max(held - leaving, 0)
+            if n:
+                self._shapes[pipeline_id] = held + n
+            return None
+
+    def refund_shapes(self, pipeline_id: str, n: int) -> None:
+        """Give ``n`` compiled shapes of ``pipeline_id`` back."""
+        with self._lock:
+            left = self._shapes.get(pipeline_id, 0) - n
+            if left > 0:
+                self._shapes[pipeline_id] = left
+            else:
+                self._shapes.pop(pipeline_id, None)
 
     # -- loading and unloading --------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from jaxdist.core.errors import (
 from jaxdist.core.runtime import StageRuntime, remote_error
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.spec import SPEC_VERSION, StageSpec, validate
-from jaxdist.core.stage import WorkerStage
+from jaxdist.core.stage import WorkerStage, shapes_at_load
 from jaxdist.core.transport import hop, status, wire
 from jaxdist.core.transport.frames import FrameView
 from jaxdist.core.transport.trust import check_hop
@@ -151,7 +151,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             threading.Thread(target=self._reap_idle_sessions, name="session-reaper",
                              daemon=True).start()
         # The loaded stages, their pipelines' keys and leases
-        self.pipelines = LoadedPipelines(address, self.hub.subscribed)
+        self.pipelines = LoadedPipelines(address, self.hub.subscribed,
+                                         max_compiled_shapes=config.max_compiled_shapes)
         self.uploads = ArtifactUploads(config, self.registry)
         self.inflight = InflightBytes(config.max_inflight_bytes)  # frames being received
         self.streams = PeerStreams(config.max_streams_per_peer)  # Push, Subscribe, data conns
@@ -315,10 +316,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                   stage_id=spec.stage_id, model=spec.model)
         validate(spec)
         self._check_hops(spec, request.pipeline_id or spec.stage_id)
-        if len(spec.buckets) > self.config.max_compiled_shapes:
-            raise LimitError(f"LoadStage: stage {spec.stage_index} has {len(spec.buckets)} "
-                             f"buckets to compile, over the limit of this worker "
-                             f"(--max-compiled-shapes={self.config.max_compiled_shapes})")
         pipeline_id = request.pipeline_id or spec.stage_id.split("/")[0] or "default"
         pipelines = self.pipelines
         pipelines.check_key_size(pipeline_id, request.pipeline_key)
@@ -331,6 +328,32 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return pb.LoadStageReply(stage_id=stage_id, already_loaded=True,
                                      weight_bytes=old.stage.weight_bytes,
                                      device=str(old.stage.device))
+        # The shapes it compiles now, charged to its pipeline before any is compiled; they
+        # are the runtime's once it exists, and it gives them back when it stops.
+        reserved = shapes_at_load(spec)
+        held = pipelines.charge_shapes(pipeline_id, reserved,
+                                       leaving=old.shapes_held if old is not None else 0)
+        if held is not None:
+            raise LimitError(
+                f"LoadStage: stage {spec.stage_index} of pipeline {clip(pipeline_id, 64)!r} "
+                f"has {reserved} buckets to compile, and the pipeline holds {held} compiled "
+                f"shapes on this worker: over its limit (--max-compiled-shapes="
+                f"{pipelines.max_compiled_shapes}, per pipeline)")
+        try:
+            runtime = self._runtime(request, load, spec, pipeline_id, stage_id)
+        except BaseException:
+            if reserved:  # no runtime took them
+                pipelines.refund_shapes(pipeline_id, reserved)
+            raise
+        if runtime.shapes_held < reserved:  # buckets of the same shapes: compiled once
+            pipelines.refund_shapes(pipeline_id, reserved - runtime.shapes_held)
+        return self._install(request, load, runtime, pipeline_id, stage_id)
+
+    def _runtime(self, request: pb.LoadStageRequest, load: Load, spec: StageSpec,
+                 pipeline_id: str, stage_id: str) -> StageRuntime:
+        """Load, compile and bind a stage whose shapes are charged to its pipeline, and make
+        its runtime, which then holds the shapes it compiled."""
+        pipelines = self.pipelines
         load.enter("load")
         if spec.artifact is not None:
             data = spec.artifact
@@ -368,7 +391,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                  stage.spec.next_data_hop or stage.spec.next_hop or "its callers")
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
                                sessions=self.sessions, route=route, pool=self._egress_pool,
-                               max_compiled_shapes=self.config.max_compiled_shapes)
+                               budget=pipelines.shape_budget(pipeline_id))
+        return runtime
+
+    def _install(self, request: pb.LoadStageRequest, load: Load, runtime: StageRuntime,
+                 pipeline_id: str, stage_id: str) -> pb.LoadStageReply | None:
+        """Put a loaded stage in its place (its runtime holds its compiled shapes now: from
+        here, stopping it gives them back)."""
+        pipelines, stage = self.pipelines, runtime.stage
         try:
             installed, old = pipelines.install(runtime, request.pipeline_key,
                                                abandoned=lambda: load.left)

@@ -52,14 +52,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxdist.core import control
-from jaxdist.core.errors import JaxdistError, LimitError, SpecError
+from jaxdist.core.errors import JaxdistError, LimitError, SessionError, SpecError
 from jaxdist.core.sessions import SessionStore
 from jaxdist.core.stage import WorkerStage
 from jaxdist.core.transport import status
 from jaxdist.core.transport.frames import FrameHeader
+from jaxdist.core.weights.uri import clip
 from jaxdist.proto import jaxdist_pb2 as pb
 
-__all__ = ["INLINE_MAX_S", "QUEUE_DEPTH", "Route", "StageRuntime", "call_in_loop",
+__all__ = ["INLINE_MAX_S", "QUEUE_DEPTH", "Route", "ShapeBudget", "StageRuntime", "call_in_loop",
            "remote_error"]
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,27 @@ class Route(Protocol):
 
     async def close(self) -> None:
         """Finish the frames already forwarded and release the edge."""
+        ...
+
+
+class ShapeBudget(Protocol):
+    """The input shapes the stages of one pipeline may have compiled on one worker together
+    (``--max-compiled-shapes``): a stage charges each shape it compiles, and gives them back
+    when it is unloaded. Thread-safe."""
+
+    limit: int
+    """The bound; 0: none."""
+
+    def held(self) -> int:
+        """Shapes charged now, by every stage of the pipeline."""
+        ...
+
+    def charge(self, n: int) -> bool:
+        """Take ``n`` more shapes; False, and nothing taken, when that would pass the limit."""
+        ...
+
+    def refund(self, n: int) -> None:
+        """Give back ``n`` shapes."""
         ...
 
 
@@ -150,14 +172,16 @@ class StageRuntime:
         sessions: the session store its state lives in.
         route: where its frames go (see :class:`Route`).
         pool: threads that run long steps, wait for device results and compile new shapes.
-        max_compiled_shapes: most input shapes the stage compiles (its buckets included); a
-            frame of a further shape is refused. 0: no limit.
+        budget: the compiled shapes its pipeline may hold on this worker. The stage holds the
+            shapes compiled already (its buckets, charged by whoever loaded it), and charges
+            each further one before it compiles it; a frame of a shape over the budget is
+            refused. :meth:`stop` gives them all back. None: no bound.
     """
 
     def __init__(self, stage: WorkerStage, *, stage_id: str, pipeline_id: str,
                  sessions: SessionStore, route: Route,
                  pool: concurrent.futures.Executor | None = None,
-                 max_compiled_shapes: int = 0) -> None:
+                 budget: ShapeBudget | None = None) -> None:
         self.stage = stage
         self.spec = stage.spec
         self.stage_id = stage_id
@@ -165,7 +189,11 @@ class StageRuntime:
         self.route = route
         self._sessions = sessions
         self._pool = pool
-        self._max_shapes = max_compiled_shapes
+        self._budget = budget
+        # The shapes this stage holds of its pipeline's budget; none once stopped
+        self._charged: set[Shapes] = set(stage.compiled_shapes)
+        self._charge_lock = threading.Lock()
+        self._released = False
         self._stateful = bool(self.spec.state)
         # On the host already: outputs that are ready need no thread to reach the route.
         self._on_host = stage.platform == "cpu"
@@ -259,25 +287,73 @@ class StageRuntime:
             if not queued:  # done, failed, or cancelled under us
                 self._done_one()
 
+    @property
+    def shapes_held(self) -> int:
+        """Compiled shapes this stage holds of its pipeline's budget."""
+        with self._charge_lock:
+            return len(self._charged)
+
+    def _charge(self, shapes: Shapes) -> None:
+        """Charge a shape to the pipeline's budget before it compiles (once per shape).
+
+        Raises:
+            LimitError: the pipeline has as many compiled shapes here as the budget allows.
+            SessionError: the stage was unloaded meanwhile.
+        """
+        with self._charge_lock:
+            if shapes in self._charged:  # charged already: another frame compiles it
+                return
+            if self._released:
+                raise SessionError(f"stage {self.stage_id!r} was unloaded; its frame of new "
+                                   f"input shapes {shapes} was not run")
+            budget = self._budget
+            if budget is not None and not budget.charge(1):
+                compiled = self.stage.compiled_shapes
+                raise LimitError(
+                    f"stage {self.spec.stage_index} of pipeline {clip(self.pipeline_id, 64)!r}: "
+                    f"input shapes {shapes} would be compiled shape number "
+                    f"{budget.held() + 1} of the pipeline on this worker, over its limit "
+                    f"(--max-compiled-shapes={budget.limit}, per pipeline); pad the inputs to "
+                    f"a shape it has compiled, such as {compiled[:3]}")
+            self._charged.add(shapes)
+
+    def _uncharge(self, shapes: Shapes) -> None:
+        """Give a shape back whose compile failed (nothing was kept)."""
+        with self._charge_lock:
+            if shapes not in self._charged or self.stage.is_compiled(shapes) or self._released:
+                return
+            self._charged.discard(shapes)
+        if self._budget is not None:
+            self._budget.refund(1)
+
+    def release_shapes(self) -> None:
+        """Give every shape this stage holds back to its pipeline's budget (once); it compiles
+        no new shape after this."""
+        with self._charge_lock:
+            if self._released:
+                return
+            self._released = True
+            n = len(self._charged)
+            self._charged.clear()
+        if self._budget is not None and n:
+            self._budget.refund(n)
+
     async def _run(self, header: FrameHeader, tensors: dict[str, Any], shapes: Shapes
                    ) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
+        if not self.stage.is_compiled(shapes):  # seconds: keep the loop serving
+            self._charge(shapes)
+            self.compile_misses += 1
+            try:
+                await loop.run_in_executor(self._pool, self.stage.compile_shapes, shapes)
+            except Exception:
+                self._uncharge(shapes)
+                raise
+        else:
+            self.compile_hits += 1
         times = self._times.get(shapes)
         if times is None:  # a new shape: compiled and first run off the loop
             times = self._times[shapes] = collections.deque(maxlen=TIMED_STEPS)
-        if not self.stage.is_compiled(shapes):  # seconds: keep the loop serving
-            compiled = self.stage.compiled_shapes
-            if self._max_shapes and len(compiled) >= self._max_shapes:
-                self._times.pop(shapes, None)
-                raise LimitError(
-                    f"stage {self.spec.stage_index}: input shapes {shapes} would be compiled "
-                    f"shapes number {len(compiled) + 1}, over the limit of the worker "
-                    f"(--max-compiled-shapes={self._max_shapes}); pad the inputs to a shape "
-                    f"it has compiled, such as {compiled[:3]}")
-            self.compile_misses += 1
-            await loop.run_in_executor(self._pool, self.stage.compile_shapes, shapes)
-        else:
-            self.compile_hits += 1
         threaded = not times or min(times) > INLINE_MAX_S
         if threaded:
             outputs, took = await loop.run_in_executor(self._pool, self._timed, header, tensors,
@@ -396,7 +472,9 @@ class StageRuntime:
         await self.route.close()
 
     def stop(self) -> None:
-        """:meth:`aclose` on the loop, from another thread, then drop the sessions."""
+        """Give the compiled shapes back to the pipeline's budget (:meth:`release_shapes`),
+        :meth:`aclose` on the loop, from another thread, then drop the sessions."""
+        self.release_shapes()
         call_in_loop(self._loop, self.aclose, timeout=10)
         self.drop_sessions()
 

@@ -242,6 +242,16 @@ class StageSpec:
     next_data_hop: str = ""
     """``HOST:PORT`` of the next stage's worker's data port (frames over a TCP connection,
     :mod:`jaxdist.core.transport.stream`); empty: over gRPC to ``next_hop``."""
+    any_shape: bool = False
+    """Whether a frame may come in input shapes no bucket declares (compiled when they first
+    come). False: a stage with buckets refuses any other shape before it compiles; a stage with
+    no buckets takes any shape either way (see :attr:`strict_shapes`)."""
+
+    @property
+    def strict_shapes(self) -> bool:
+        """Whether a frame must be in one of the buckets: the spec declares some, and does not
+        allow any shape."""
+        return bool(self.buckets) and not self.any_shape
 
     @property
     def weight_bytes(self) -> int:
@@ -266,7 +276,8 @@ class StageSpec:
             weights=[w.to_proto() for w in self.weights], device=self.device,
             next_hop=self.next_hop, buckets=[b.to_proto() for b in self.buckets],
             versions=self.versions.to_proto(), platforms=list(self.platforms),
-            stage_id=self.stage_id, control=list(self.control), next_data_hop=self.next_data_hop)
+            stage_id=self.stage_id, control=list(self.control), next_data_hop=self.next_data_hop,
+            any_shape=self.any_shape)
 
     @classmethod
     def from_proto(cls, msg: pb.StageSpec) -> StageSpec:
@@ -281,7 +292,7 @@ class StageSpec:
             platforms=tuple(msg.platforms), versions=Versions.from_proto(msg.versions),
             model=msg.model, stage_id=msg.stage_id, artifact=msg.artifact or None,
             spec_version=msg.spec_version, control=tuple(msg.control),
-            next_data_hop=msg.next_data_hop)
+            next_data_hop=msg.next_data_hop, any_shape=msg.any_shape)
 
     def serialize(self) -> bytes:
         """Wire bytes. Deterministic: a bucket's map entries are written sorted by key (upb's

@@ -41,11 +41,12 @@ from jaxdist.core.heap import release_free_heap
 from jaxdist.core.spec import ShapeBucket, StageSpec, TensorSig, validate
 from jaxdist.core.weights import WeightCache
 
-__all__ = ["WorkerStage"]
+__all__ = ["WorkerStage", "shapes_at_load"]
 
 log = logging.getLogger(__name__)
 
 MAX_CHECKED_SHAPES = 1024  # input shapes whose dims check is remembered (a bound on memory)
+SHOWN_BUCKETS = 8  # buckets a refusal lists
 
 
 def _dims_str(dims: Sequence[object]) -> str:
@@ -138,6 +139,14 @@ class WorkerStage:
         self._compiled: dict[tuple[tuple[int, ...], ...], Any] = {}
         # Input shapes whose dims were found to agree with the spec: checked once each
         self._shapes_ok: set[tuple[tuple[int, ...], ...]] = set()
+        # The buckets' input shapes: the only ones a strict spec takes (spec.strict_shapes).
+        # A bucket that binds too little is left out here; compiling it fails the load.
+        self._bucket_shapes: set[tuple[tuple[int, ...], ...]] = set()
+        for bucket in spec.buckets:
+            try:
+                self._bucket_shapes.add(self.bucket_shapes(bucket))
+            except SpecError:
+                pass
         self._lock = threading.Lock()
         self.compile_seconds = 0.0
         self.bind_seconds = 0.0
@@ -302,8 +311,13 @@ class WorkerStage:
                   for shape, dt in zip(input_shapes, self._input_dtypes)]
         return specs
 
-    def compile(self, bucket: ShapeBucket | Mapping[str, int]) -> float:
-        """Compile ahead of time for one binding of the symbolic dims. Returns seconds spent."""
+    def bucket_shapes(self, bucket: ShapeBucket | Mapping[str, int]
+                      ) -> tuple[tuple[int, ...], ...]:
+        """The input shapes of one binding of the symbolic dims.
+
+        Raises:
+            SpecError: the bucket leaves a symbol unbound, or makes a dim invalid.
+        """
         dims = bucket.dims if isinstance(bucket, ShapeBucket) else bucket
         shapes = []
         for sig in self.spec.inputs:
@@ -315,7 +329,11 @@ class WorkerStage:
             except ValueError as exc:
                 raise SpecError(f"stage {self.spec.stage_index}: bucket {dict(dims)}, input "
                                 f"{sig.name!r}: {exc}") from None
-        return self.compile_shapes(tuple(shapes))
+        return tuple(shapes)
+
+    def compile(self, bucket: ShapeBucket | Mapping[str, int]) -> float:
+        """Compile ahead of time for one binding of the symbolic dims. Returns seconds spent."""
+        return self.compile_shapes(self.bucket_shapes(bucket))
 
     def is_compiled(self, shapes: tuple[tuple[int, ...], ...]) -> bool:
         """Whether :meth:`run` has an executable for these input shapes (no compile on call)."""
@@ -357,10 +375,13 @@ class WorkerStage:
                                        self.device) for s in self.spec.state}
 
     def check_inputs(self, inputs: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
-        """Check names, dtypes and dims of inputs against the spec; return their shapes.
+        """Check names, dtypes and dims of inputs against the spec, and, when the spec is
+        strict (:attr:`StageSpec.strict_shapes`), that their shapes are a bucket's; return
+        their shapes.
 
         Raises:
-            SpecError: naming the stage, the input, the expected and the found signature.
+            SpecError: naming the stage, the input, the expected and the found signature; or
+                the shapes found and the buckets, for shapes in none of them.
         """
         where = f"stage {self.spec.stage_index}"
         if list(inputs) != self._input_names and set(inputs) != set(self._input_names):
@@ -387,9 +408,21 @@ class WorkerStage:
                     f" with {_bindings_str(bound)}"
                 raise SpecError(f"{where}: input {sig.name!r}: expected dims "
                                 f"{_dims_str(sig.dims)}{with_}, found {shape}")
+        if self.spec.strict_shapes and key not in self._bucket_shapes:
+            raise SpecError(self._off_bucket(key, bound))
         if len(self._shapes_ok) < MAX_CHECKED_SHAPES:
             self._shapes_ok.add(key)
         return key
+
+    def _off_bucket(self, shapes: tuple[tuple[int, ...], ...], bound: Mapping[str, int]) -> str:
+        """Why a strict stage refuses inputs of ``shapes`` (symbols ``bound``)."""
+        buckets = self.spec.buckets
+        shown = "; ".join(_bindings_str(b.dims) for b in buckets[:SHOWN_BUCKETS])
+        more = f"; and {len(buckets) - SHOWN_BUCKETS} more" if len(buckets) > SHOWN_BUCKETS else ""
+        found = ", ".join(f"{n} {_dims_str(s)}" for n, s in zip(self._input_names, shapes))
+        return (f"stage {self.spec.stage_index}: input shapes {found} ({_bindings_str(bound)}) "
+                f"are in none of its {len(buckets)} buckets ({shown}{more}); the spec takes "
+                f"those shapes only (StageSpec.any_shape is false): pad the inputs to a bucket")
 
     def run(self, inputs: Mapping[str, Any], state: Mapping[str, jax.Array] | None = None, *,
             shapes: tuple[tuple[int, ...], ...] | None = None
@@ -415,7 +448,7 @@ class WorkerStage:
         if shapes is None:
             shapes = self.check_inputs(inputs)
         if shapes not in self._compiled:
-            log.info("stage %d: input shapes %s not in any bucket; compiling now",
+            log.info("stage %d: input shapes %s not compiled yet; compiling now",
                      self.spec.stage_index, shapes)
             self.compile_shapes(shapes)
         if self._state_names:
@@ -457,6 +490,14 @@ class WorkerStage:
 
 _NO_HANDLER = re.compile(r"No (?:FFI handler|registered implementation for custom call)"
                          r"(?: registered)? (?:for|to) ([\w.$-]+)")
+
+
+def shapes_at_load(spec: StageSpec) -> int:
+    """How many input shapes :meth:`WorkerStage.load` compiles for ``spec`` (at most): its
+    distinct buckets, or its one shape when no input dim is a symbol."""
+    if spec.buckets:
+        return len({tuple(sorted(b.dims.items())) for b in spec.buckets})
+    return 1 if _static(spec) else 0
 
 
 def _static(spec: StageSpec) -> bool:

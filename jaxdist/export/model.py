@@ -156,6 +156,12 @@ class Model:
             ``"b, s, 576"`` where names are symbolic dims shared by all inputs.
         constraints: symbolic constraints, e.g. ``("s <= 2048",)``.
         buckets: symbolic dim bindings to compile ahead of time, e.g. ``[{"b": 1, "s": 1}]``.
+            With buckets, they are the only shapes the stages take: a frame of another shape
+            is refused before it compiles, unless ``any_shape``. With none, any shape is
+            compiled when it first comes.
+        any_shape: take input shapes outside ``buckets`` too, each compiled when it first
+            comes (``StageSpec.any_shape``; a worker bounds them per pipeline,
+            ``--max-compiled-shapes``).
         meta: free-form information for the caller (tokenizer, eos id, ...); never shipped.
         control: inputs that are per-step control (:data:`jaxdist.core.control.FIELDS`:
             ``slot``, ``pos``, ``length``, sampling), one value per row. They travel in each
@@ -172,7 +178,7 @@ class Model:
         ...     [Unit(f"l{i}", dense, {"w": Param(f"safetensors://mlp.safetensors#l{i}.w", (8, 8))})
         ...      for i in range(4)],
         ...     inputs={"x": ("b, 8", "float32")},  # b: a symbolic batch dim
-        ...     buckets=[{"b": 4}])                  # compiled ahead of time on the workers
+        ...     buckets=[{"b": 4}])  # compiled ahead of time; the one batch size it takes
         >>> model.weight_bytes
         1024
         >>> pipe = cluster.deploy(model)  # see Cluster                       # doctest: +SKIP
@@ -185,6 +191,7 @@ class Model:
     buckets: Sequence[Mapping[str, int]] = ()
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     control: Sequence[str] = ()
+    any_shape: bool = False
 
     def __post_init__(self) -> None:
         if not self.units:

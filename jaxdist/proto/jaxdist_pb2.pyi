@@ -140,7 +140,7 @@ class Versions(_message.Message):
     def __init__(self, spec: _Optional[str] = ..., jax: _Optional[str] = ..., jaxlib: _Optional[str] = ..., serialization_version: _Optional[int] = ..., calling_convention_version: _Optional[int] = ..., stablehlo: _Optional[str] = ...) -> None: ...
 
 class StageSpec(_message.Message):
-    __slots__ = ("spec_version", "model", "stage_index", "num_stages", "artifact_digest", "artifact", "inputs", "outputs", "state", "weights", "device", "next_hop", "buckets", "versions", "platforms", "stage_id", "control", "next_data_hop")
+    __slots__ = ("spec_version", "model", "stage_index", "num_stages", "artifact_digest", "artifact", "inputs", "outputs", "state", "weights", "device", "next_hop", "buckets", "versions", "platforms", "stage_id", "control", "next_data_hop", "any_shape")
     SPEC_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class StageSpec(_message.Message):
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
     NEXT_DATA_HOP_FIELD_NUMBER: _ClassVar[int]
+    ANY_SHAPE_FIELD_NUMBER: _ClassVar[int]
     spec_version: str
     model: str
     stage_index: int
@@ -177,7 +178,8 @@ class StageSpec(_message.Message):
     stage_id: str
     control: _containers.RepeatedScalarFieldContainer[str]
     next_data_hop: str
-    def __init__(self, spec_version: _Optional[str] = ..., model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., artifact: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateSig, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[WeightRef, _Mapping]]] = ..., device: _Optional[str] = ..., next_hop: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., platforms: _Optional[_Iterable[str]] = ..., stage_id: _Optional[str] = ..., control: _Optional[_Iterable[str]] = ..., next_data_hop: _Optional[str] = ...) -> None: ...
+    any_shape: bool
+    def __init__(self, spec_version: _Optional[str] = ..., model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., artifact_digest: _Optional[str] = ..., artifact: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSig, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateSig, _Mapping]]] = ..., weights: _Optional[_Iterable[_Union[WeightRef, _Mapping]]] = ..., device: _Optional[str] = ..., next_hop: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., platforms: _Optional[_Iterable[str]] = ..., stage_id: _Optional[str] = ..., control: _Optional[_Iterable[str]] = ..., next_data_hop: _Optional[str] = ..., any_shape: _Optional[bool] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("code", "type", "message", "traceback", "stage", "address")
