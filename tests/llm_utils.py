@@ -3,7 +3,9 @@
 These drive a model's slot-cache protocol (see :mod:`jaxdist.exporters.layers`) the way a serving
 loop would: one stateful session, each row in its own cache slot, prompts padded up to a bucket,
 then one token per row per step. ``pipe`` is anything with ``session()`` (an
-``InProcessPipeline`` or a coordinator ``Pipeline``).
+``InProcessPipeline`` or a coordinator ``Pipeline``). The exporters' parity tests against
+transformers share the rest: :func:`lazy_pipe`, :func:`hf_reference`, :func:`float_tolerance`
+and :func:`forced_logits`.
 """
 
 from __future__ import annotations
@@ -76,3 +78,50 @@ class GatedPipeline:
 
     def end_session(self, session_id: str) -> int:
         return self.pipeline.end_session(session_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random models against transformers (test_llama, test_qwen3_phi3, test_gemma3, test_moe)
+
+
+def lazy_pipe(model: Any, root: Any, stages: int) -> Any:
+    """An in-process pipeline of ``model`` that compiles only the shapes a test uses (lazily):
+    ahead-of-time buckets triple the load time of these tests."""
+    import dataclasses  # noqa: PLC0415
+
+    from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: PLC0415
+
+    return InProcessPipeline(dataclasses.replace(model, buckets=()), weights_roots=[str(root)],
+                             stages=stages)
+
+
+def hf_reference(model: Any, prompt: Sequence[int], n_new: int) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens from ``generate`` and the logits predicting each of them."""
+    import torch  # noqa: PLC0415
+
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(ids, do_sample=False, max_new_tokens=n_new, min_new_tokens=0,
+                             pad_token_id=0, eos_token_id=None)
+        full = model(out[:, :-1]).logits[0].numpy()
+    return out[0, len(prompt):].tolist(), full[len(prompt) - 1:]
+
+
+def float_tolerance(want: np.ndarray) -> float:
+    """float32 sums in another order, through a few layers: 1e-4 of the largest logit
+    (transformers in float32 is off its own float64 run by about 5e-6 of it here)."""
+    return 1e-4 * max(1.0, float(np.abs(want).max()))
+
+
+def forced_logits(pipe: Any, prompts: Sequence[Sequence[int]], fed: Sequence[Sequence[int]]
+                  ) -> np.ndarray:
+    """Logits ``(steps, rows, vocab)``: after each row's prompt (one 16-wide prefill, all rows
+    in one batch), then after feeding each row's ``fed`` tokens one at a time (teacher-forced)."""
+    b = len(prompts)
+    with pipe.session() as session:
+        out = [session(step_inputs(prompts, slots=list(range(b)), pos=[0] * b,
+                                   width=16))["logits"]]
+        for p in range(len(fed[0])):
+            out.append(session(step_inputs([[row[p]] for row in fed], slots=list(range(b)),
+                                           pos=[len(q) + p for q in prompts]))["logits"])
+    return np.stack(out)

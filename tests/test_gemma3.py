@@ -27,7 +27,6 @@ import logging
 import pathlib
 import subprocess
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,8 @@ import gguf  # noqa: E402
 from llamacpp_ref import check_tokens as _check_tokens  # noqa: E402
 from llamacpp_ref import NEAR_TIE  # noqa: E402
 from llamacpp_ref import llamacpp as _llamacpp  # noqa: E402
-from llm_utils import generate, step_inputs  # noqa: E402
+from llm_utils import (  # noqa: E402
+    float_tolerance, forced_logits, generate, hf_reference, lazy_pipe)
 from quant_bound import activation_bound  # noqa: E402
 
 from jaxdist.coordinator.cluster import Cluster  # noqa: E402
@@ -107,7 +107,7 @@ def pipes(root: pathlib.Path, hf_model: Any) -> Any:
     def get(stages: int) -> InProcessPipeline:
         if stages not in made:
             model = gemma3_model("gemma3", roots=[root], return_logits=True, max_seq=64)
-            made[stages] = _pipe(model, root, stages)
+            made[stages] = lazy_pipe(model, root, stages)
         return made[stages]
 
     yield get
@@ -115,32 +115,9 @@ def pipes(root: pathlib.Path, hf_model: Any) -> Any:
         pipe.close()
 
 
-def _pipe(model: Any, root: pathlib.Path, stages: int) -> InProcessPipeline:
-    # Only the shapes a test uses are compiled (lazily), as in tests/test_llama.py.
-    return InProcessPipeline(dataclasses.replace(model, buckets=()), weights_roots=[str(root)],
-                             stages=stages)
-
-
-def _hf_reference(model: Any, prompt: Sequence[int], n_new: int) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens from ``generate`` and the logits predicting each of them."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(ids, do_sample=False, max_new_tokens=n_new, min_new_tokens=0,
-                             pad_token_id=0, eos_token_id=None)
-        full = model(out[:, :-1]).logits[0].numpy()
-    return out[0, len(prompt):].tolist(), full[len(prompt) - 1:]
-
-
-def _tolerance(want: np.ndarray) -> float:
-    """As tests/test_llama.py: float32 rounding, summed in other orders through a few layers,
-    stays far below 1e-4 of the largest logit (transformers in float32 is off its float64 run
-    by about 5e-6 of it here)."""
-    return 1e-4 * max(1.0, float(np.abs(want).max()))
-
-
 def _check_parity(pipe: InProcessPipeline, hf: Any, what: str) -> None:
-    want_tokens, want_logits = _hf_reference(hf, PROMPT, N_NEW)
-    tol = _tolerance(want_logits)
+    want_tokens, want_logits = hf_reference(hf, PROMPT, N_NEW)
+    tol = float_tolerance(want_logits)
     top2 = np.sort(want_logits, axis=-1)[:, -2:]
     # Greedy tokens are compared exactly only where the reference is not at a near-tie.
     assert float((top2[:, 1] - top2[:, 0]).min()) > 20 * tol, "reference has a near-tie"
@@ -266,17 +243,8 @@ def test_gguf_f32_parity(root: pathlib.Path) -> None:
     assert (cfg.norm_offset, cfg.local_layers, cfg.sliding_window) == (0.0, (True, True, False,
                                                                              True), WINDOW)
     assert cfg.attn_scale == pytest.approx(24 ** -0.5) and cfg.tied
-    with _pipe(model, root, 1) as pipe:
+    with lazy_pipe(model, root, 1) as pipe:
         _check_parity(pipe, hf, "Gemma 3 F32 GGUF")
-
-
-def _forced_logits(pipe: InProcessPipeline, tokens: Sequence[int], n_prompt: int) -> np.ndarray:
-    """Logits after the prompt ``tokens[:n_prompt]``, then after each later token fed in turn."""
-    with pipe.session() as session:
-        out = [session(step_inputs([tokens[:n_prompt]], slots=[0], pos=[0], width=16))["logits"]]
-        for p in range(n_prompt, len(tokens)):
-            out.append(session(step_inputs([[tokens[p]]], slots=[0], pos=[p]))["logits"])
-    return np.stack([o[0] for o in out])
 
 
 @pytest.fixture(scope="module")
@@ -297,18 +265,18 @@ def test_gguf_quantized_close(root: pathlib.Path, quantized_files: dict[str, Any
     if not kernels.load().available:
         pytest.skip(f"CPU kernels unavailable: {kernels.load().reason}")
     ref = quantized_files[qtype]
-    want_tokens, _ = _hf_reference(ref, PROMPT, 4)
+    want_tokens, _ = hf_reference(ref, PROMPT, 4)
     tokens = [*PROMPT, *want_tokens]
     rows = slice(len(PROMPT) - 1, len(tokens))
     with torch.no_grad():
         want = ref(torch.tensor([tokens])).logits[0, rows].numpy()
-    bound = activation_bound(ref, tokens, rows, qtype) + _tolerance(want)
+    bound = activation_bound(ref, tokens, rows, qtype) + float_tolerance(want)
     model = gemma3_model(f"gemma3.{qtype}.gguf", roots=[root], return_logits=True, max_seq=64)
     packed = {p.uri.rsplit("#", 1)[1]: p.quant for u in model.units for p in u.params.values()
               if p.packed}
     assert packed.get("blk.0.attn_q.weight") == qtype and packed.get("token_embd.weight") == qtype
-    with _pipe(model, root, 2) as pipe:
-        got = _forced_logits(pipe, tokens, len(PROMPT))
+    with lazy_pipe(model, root, 2) as pipe:
+        got = forced_logits(pipe, [tokens[:len(PROMPT)]], [tokens[len(PROMPT):]])[:, 0]
     err = np.abs(got - want)
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
     assert (err <= bound).all(), (f"Gemma 3 {qtype}: |logits - transformers| {err[worst]:.3g} "
@@ -331,8 +299,8 @@ def test_gguf_quantized_matches_llamacpp(root: pathlib.Path, quantized_files: di
     (want,) = _llamacpp(model=str(path), forced=[tokens], n_prompt=len(PROMPT),
                         n_ctx=64)["logits"]
     model = gemma3_model(path.name, roots=[root], return_logits=True, max_seq=64)
-    with _pipe(model, root, 1) as pipe:
-        got = _forced_logits(pipe, tokens, len(PROMPT))
+    with lazy_pipe(model, root, 1) as pipe:
+        got = forced_logits(pipe, [tokens[:len(PROMPT)]], [tokens[len(PROMPT):]])[:, 0]
     err = float(np.abs(got - np.asarray(want)).max())
     assert err <= NEAR_TIE, f"Gemma 3 {qtype}: max |logits - llama.cpp| = {err:.3g}"
     for step, (token, margin) in enumerate(zip(greedy["tokens"], greedy["margins"])):
@@ -547,7 +515,7 @@ def test_real_gemma3_past_its_window(gemma3_270m: pathlib.Path, real_tokenizer: 
     (want,) = _llamacpp(model=str(gemma3_270m), prompts=[prompt], n_new=12,
                         n_ctx=1024)["greedy"]
     model = gemma3_model(name, roots=[root], max_slots=1, max_seq=1024)
-    with _pipe(model, root, 1) as pipe:
+    with lazy_pipe(model, root, 1) as pipe:
         got, _ = generate(pipe, [prompt], 12, bucket=len(prompt))
     _check_tokens(got[0], want, "past the window")
 
@@ -565,14 +533,14 @@ def test_real_gemma3_dequantized_matches_transformers(gemma3_270m: pathlib.Path,
     assert real_tokenizer.encode(REAL_PROMPT) == prompt
     hf = transformers.AutoModelForCausalLM.from_pretrained(root, gguf_file=name,
                                                            dtype=torch.float32).eval()
-    want_tokens, want_logits = _hf_reference(hf, prompt, REAL_NEW)
+    want_tokens, want_logits = hf_reference(hf, prompt, REAL_NEW)
     del hf
     model = gemma3_model(name, roots=[root], max_slots=1, max_seq=128, quantized=False,
                          return_logits=True)
-    with _pipe(model, root, 2) as pipe:
+    with lazy_pipe(model, root, 2) as pipe:
         tokens, logits = generate(pipe, [prompt], REAL_NEW, bucket=16)
     got = np.stack([lg[0] for lg in logits])
-    err, tol = float(np.abs(got - want_logits).max()), _tolerance(want_logits)
+    err, tol = float(np.abs(got - want_logits).max()), float_tolerance(want_logits)
     assert err <= tol, f"max |logits - transformers| = {err:.3g} > {tol:.3g}"
     top2 = np.sort(want_logits, axis=-1)[:, -2:]
     assert float((top2[:, 1] - top2[:, 0]).min()) > 2 * tol, "reference has a near-tie"

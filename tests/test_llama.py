@@ -7,7 +7,6 @@ top-k/top-p logits warpers for the sampling distribution.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import time
@@ -22,7 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import gguf  # noqa: E402
-from llm_utils import generate, step_inputs  # noqa: E402
+from llm_utils import generate, hf_reference, lazy_pipe, step_inputs  # noqa: E402
 
 from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
 from jaxdist.core.errors import SpecError  # noqa: E402
@@ -68,7 +67,7 @@ def tiny_pipes(root: pathlib.Path) -> Any:
     def get(arch: str, stages: int) -> InProcessPipeline:
         if (arch, stages) not in pipes:
             model = llama_model(arch, roots=[root], return_logits=True, max_seq=64)
-            pipes[arch, stages] = _pipe(model, root, stages)
+            pipes[arch, stages] = lazy_pipe(model, root, stages)
         return pipes[arch, stages]
 
     yield get
@@ -84,23 +83,6 @@ def hf_models(root: pathlib.Path) -> dict[str, Any]:
     return models
 
 
-def _hf_reference(model: Any, prompt: Sequence[int], n_new: int) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens from ``generate`` and the logits predicting each of them."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(ids, do_sample=False, max_new_tokens=n_new, min_new_tokens=0,
-                             pad_token_id=0, eos_token_id=None)
-        new = out[0, len(prompt):].tolist()
-        full = model(out[:, :-1]).logits[0].numpy()
-    return new, full[len(prompt) - 1:]
-
-
-def _pipe(model: Any, root: pathlib.Path, stages: int) -> InProcessPipeline:
-    # Compile lazily only the shapes a test uses: ahead-of-time buckets triple the load time.
-    return InProcessPipeline(dataclasses.replace(model, buckets=()), weights_roots=[str(root)],
-                             stages=stages)
-
-
 def _assert_logits_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     tol = 1e-4 * max(1.0, float(np.abs(want).max()))
     err = float(np.abs(got - want).max())
@@ -108,7 +90,7 @@ def _assert_logits_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 
 def _check_parity(pipe: InProcessPipeline, hf: Any, prompt: Sequence[int], what: str) -> None:
-    want_tokens, want_logits = _hf_reference(hf, prompt, N_NEW)
+    want_tokens, want_logits = hf_reference(hf, prompt, N_NEW)
     tokens, logits = generate(pipe, [prompt], N_NEW, bucket=16)
     assert tokens[0] == want_tokens, f"{what}: greedy tokens differ from transformers.generate"
     assert len(logits) == N_NEW
@@ -187,7 +169,7 @@ def test_gguf_parity(hf_models: dict[str, Any], root: pathlib.Path, arch: str) -
     assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (4, 4, 2, 16)
     assert cfg.tied == (arch == "qwen2") and cfg.qkv_bias == (arch == "qwen2")
     model = llama_model(f"{arch}.gguf", roots=[root], return_logits=True, max_seq=64)
-    with _pipe(model, root, 2) as pipe:
+    with lazy_pipe(model, root, 2) as pipe:
         _check_parity(pipe, hf_models[arch], PROMPTS["long"], f"{arch} GGUF")
 
 
@@ -205,7 +187,7 @@ def test_llama3_rope_scaling(root: pathlib.Path) -> None:
     for path in ("llama3", "llama3.gguf"):
         model = llama_model(path, roots=[root], return_logits=True, max_seq=64)
         assert model.meta["config"].rope_type == ("llama3" if path == "llama3" else "freqs")
-        with _pipe(model, root, 1) as pipe:
+        with lazy_pipe(model, root, 1) as pipe:
             _check_parity(pipe, hf, PROMPTS["long"], f"llama3 RoPE from {path}")
 
 
@@ -213,8 +195,8 @@ def test_llama3_rope_scaling(root: pathlib.Path) -> None:
 def test_half_precision_close(hf_models: dict[str, Any], root: pathlib.Path, dtype: str) -> None:
     model = llama_model("llama", roots=[root], return_logits=True, max_seq=64, dtype=dtype)
     prompt = PROMPTS["long"]
-    _, want = _hf_reference(hf_models["llama"], prompt, 1)
-    with _pipe(model, root, 2) as pipe:
+    _, want = hf_reference(hf_models["llama"], prompt, 1)
+    with lazy_pipe(model, root, 2) as pipe:
         _, logits = generate(pipe, [prompt], 1)
     err = float(np.abs(logits[0][0] - want[0]).max())
     assert err <= 0.05 * float(np.abs(want).max()), f"{dtype}: max logits error {err:.3g}"
@@ -252,8 +234,8 @@ def test_batch_matches_solo(hf_models: dict[str, Any], tiny_pipes: Any) -> None:
         for k in range(3):
             reuse.append(int(session(step_inputs([[reuse[-1]]], slots=[2],
                                                  pos=[len(b) + k]))["token"][0]))
-    want_a, _ = _hf_reference(hf_models["llama"], a, N_NEW)
-    want_b, _ = _hf_reference(hf_models["llama"], b, N_NEW)
+    want_a, _ = hf_reference(hf_models["llama"], a, N_NEW)
+    want_b, _ = hf_reference(hf_models["llama"], b, N_NEW)
     assert solo == [want_a, want_b]
     assert got_a == want_a[:len(got_a)] and got_b == want_b[:len(got_b)]
     assert reuse == want_b[:len(reuse)]
@@ -328,7 +310,7 @@ def test_smollm2_gguf_greedy(smollm2: pathlib.Path, smollm2_reference: Any) -> N
     cfg = model.meta["config"]
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.tied) == (
         30, 576, 9, 3, True)
-    with _pipe(model, root, 2) as pipe:
+    with lazy_pipe(model, root, 2) as pipe:
         got, _ = generate(pipe, [prompt], n_new, bucket=16)
     print(f"smollm2: jaxdist 2 stages in one process {time.perf_counter() - t0:.1f}s")
     assert len(want) >= n_new - 1 and got[0][:len(want)] == want
@@ -362,15 +344,15 @@ def test_mistral_sliding_window_parity(root: pathlib.Path) -> None:
     hf.eval().save_pretrained(root / "mistral", safe_serialization=True)
     model = llama_model("mistral", roots=[root], return_logits=True, max_seq=64)
     assert model.meta["config"].sliding_window == 8
-    with _pipe(model, root, 2) as pipe:
+    with lazy_pipe(model, root, 2) as pipe:
         _check_parity(pipe, hf, PROMPTS["long"], "Mistral, window 8")
     # The window shows in the logits: without it transformers computes something else, far
     # beyond the tolerance, so the parity above would catch a window left out.
     full = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None,
                                                                       **common)).eval()
     full.load_state_dict(hf.state_dict())
-    _, windowed = _hf_reference(hf, PROMPTS["long"], N_NEW)
-    _, unwindowed = _hf_reference(full, PROMPTS["long"], N_NEW)
+    _, windowed = hf_reference(hf, PROMPTS["long"], N_NEW)
+    _, unwindowed = hf_reference(full, PROMPTS["long"], N_NEW)
     assert float(np.abs(windowed - unwindowed).max()) > 100 * 1e-4 * float(
         np.abs(windowed).max())
 

@@ -36,7 +36,8 @@ import ggml_blocks  # noqa: E402
 import gguf  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from llamacpp_ref import NEAR_TIE, llamacpp  # noqa: E402
-from llm_utils import generate, step_inputs  # noqa: E402
+from llm_utils import (  # noqa: E402
+    float_tolerance, forced_logits, generate, hf_reference, lazy_pipe)
 
 from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
 from jaxdist.core import kernels  # noqa: E402
@@ -53,6 +54,7 @@ MAX_SEQ = 64
 PROMPTS = {"short": [5, 17, 99, 3, 200, 41, 7],
            "long": [9, 250, 1, 33, 33, 128, 64, 77, 12, 4, 180]}
 SAME = [7] * 9  # one token repeated: every row picks the same experts in each layer
+FED = [[1, 2, 3], [2, 3, 4], [3, 4, 5]]  # teacher-forced tokens after each prompt of a batch
 
 
 def _tiny(arch: str, **overrides: Any) -> Any:
@@ -90,35 +92,14 @@ def hf_models(root: pathlib.Path) -> dict[str, Any]:
     return models
 
 
-def _pipe(model: Any, root: pathlib.Path, stages: int) -> InProcessPipeline:
-    # Compile lazily only the shapes a test uses: ahead-of-time buckets triple the load time.
-    return InProcessPipeline(dataclasses.replace(model, buckets=()), weights_roots=[str(root)],
-                             stages=stages)
-
-
-def _hf_reference(model: Any, prompt: Sequence[int], n_new: int) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens from ``generate`` and the logits predicting each of them."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(ids, do_sample=False, max_new_tokens=n_new, min_new_tokens=0,
-                             pad_token_id=0, eos_token_id=None)
-        full = model(out[:, :-1]).logits[0].numpy()
-    return out[0, len(prompt):].tolist(), full[len(prompt) - 1:]
-
-
-def _float_tolerance(want: np.ndarray) -> float:
-    """float32 sums in another order (as tests/test_llama.py's _assert_logits_close)."""
-    return 1e-4 * max(1.0, float(np.abs(want).max()))
-
-
 def _check_parity(pipe: InProcessPipeline, hf: Any, prompts: Sequence[Sequence[int]],
                   what: str) -> None:
     """Each prompt's greedy run against transformers, all of them in one batch."""
     tokens, logits = generate(pipe, prompts, N_NEW, bucket=16)
     for row, prompt in enumerate(prompts):
-        want_tokens, want_logits = _hf_reference(hf, prompt, N_NEW)
+        want_tokens, want_logits = hf_reference(hf, prompt, N_NEW)
         got = np.stack([lg[row] for lg in logits])
-        err, tol = float(np.abs(got - want_logits).max()), _float_tolerance(want_logits)
+        err, tol = float(np.abs(got - want_logits).max()), float_tolerance(want_logits)
         assert err <= tol, f"{what}, row {row}: max |logits - transformers| = {err:.3g} > {tol:.3g}"
         assert tokens[row] == want_tokens, f"{what}, row {row}: greedy tokens differ"
 
@@ -177,7 +158,7 @@ def tiny_pipes(root: pathlib.Path, hf_models: dict[str, Any]) -> Any:
     def get(arch: str, stages: int) -> InProcessPipeline:
         if (arch, stages) not in pipes:
             model = llama_model(arch, roots=[root], return_logits=True, max_seq=MAX_SEQ)
-            pipes[arch, stages] = _pipe(model, root, stages)
+            pipes[arch, stages] = lazy_pipe(model, root, stages)
         return pipes[arch, stages]
 
     yield get
@@ -205,7 +186,7 @@ def test_hf_qwen3moe_without_renormalization(root: pathlib.Path) -> None:
     hf.save_pretrained(root / "qwen3moe_raw", safe_serialization=True)
     model = llama_model("qwen3moe_raw", roots=[root], return_logits=True, max_seq=MAX_SEQ)
     assert not model.meta["config"].expert_norm_topk
-    with _pipe(model, root, 1) as pipe:
+    with lazy_pipe(model, root, 1) as pipe:
         _check_parity(pipe, hf, [PROMPTS["short"]], "qwen3moe, norm_topk_prob=false")
 
 
@@ -315,7 +296,7 @@ def test_gguf_f32_parity(hf_models: dict[str, Any], root: pathlib.Path,
         assert getattr(cfg, field) == getattr(want, field), field
     assert cfg.rope_interleaved == (arch == "mixtral"), "llama.cpp permutes arch llama's q/k"
     model = llama_model(name, roots=[root], return_logits=True, max_seq=MAX_SEQ)
-    with _pipe(model, root, 2) as pipe:
+    with lazy_pipe(model, root, 2) as pipe:
         _check_parity(pipe, hf_models[arch], [PROMPTS["long"], SAME], f"{arch} GGUF F32")
 
 
@@ -339,22 +320,6 @@ def _dense_kernel_experts(x: Any, w: Any, ids: Any, rows: Any = None) -> Any:
 _original_expert_linear = ops.expert_linear
 
 
-def _forced_logits(pipe: InProcessPipeline, prompts: Sequence[Sequence[int]], n_steps: int,
-                   fed: Sequence[Sequence[int]] | None = None) -> np.ndarray:
-    """Logits (steps, rows, vocab) after each prompt, then after feeding each row's ``fed``
-    tokens in turn (teacher-forced; default 1, 2, ...), all rows in one batch."""
-    b = len(prompts)
-    fed = fed or [[1 + p + r for p in range(n_steps)] for r in range(b)]
-    with pipe.session() as session:
-        out = [session(step_inputs(prompts, slots=list(range(b)), pos=[0] * b,
-                                   width=16))["logits"]]
-        for p in range(n_steps):
-            out.append(session(step_inputs([[fed[r][p]] for r in range(b)],
-                                           slots=list(range(b)),
-                                           pos=[len(q) + p for q in prompts]))["logits"])
-    return np.stack(out)
-
-
 # The fast tier runs Mixtral's Q4_0 file; Qwen3-MoE's Q4_0 experts run there on 2 workers
 # (test_gguf_quantized_on_workers), and Q8_0 is the same kernel path with another block type.
 @pytest.mark.parametrize(("arch", "qtype"), [
@@ -372,12 +337,12 @@ def test_gguf_quantized_experts_packed(root: pathlib.Path, gguf_files: dict[tupl
     for p in ("x_gate", "x_up", "x_down"):
         assert params[p].packed and params[p].quant == qtype and len(params[p].shape) == 3
     prompts = [PROMPTS["long"], PROMPTS["short"], SAME]
-    with _pipe(model, root, 2) as pipe:
-        got = _forced_logits(pipe, prompts, 3)
+    with lazy_pipe(model, root, 2) as pipe:
+        got = forced_logits(pipe, prompts, FED)
     monkeypatch.setattr(ops, "expert_linear", _dense_kernel_experts)
-    with _pipe(model, root, 2) as pipe:
-        want = _forced_logits(pipe, prompts, 3)
-    err, tol = float(np.abs(got - want).max()), _float_tolerance(want)
+    with lazy_pipe(model, root, 2) as pipe:
+        want = forced_logits(pipe, prompts, FED)
+    err, tol = float(np.abs(got - want).max()), float_tolerance(want)
     assert err <= tol, f"{arch} {qtype}: max |MoE kernel - dense kernel| = {err:.3g} > {tol:.3g}"
 
 
@@ -467,8 +432,8 @@ def test_gguf_quantized_matches_llamacpp(root: pathlib.Path,
                       text=False)
     fed = [g["tokens"] for g in greedy["greedy"]]
     model = llama_model(name, roots=[root], return_logits=True, max_seq=MAX_SEQ)
-    with _pipe(model, root, 2) as pipe:
-        got = _forced_logits(pipe, prompts, N_NEW - 1, fed)
+    with lazy_pipe(model, root, 2) as pipe:
+        got = forced_logits(pipe, prompts, [f[:N_NEW - 1] for f in fed])
     for row, g in enumerate(greedy["greedy"]):
         z = got[:, row]
         err = float(np.abs(z - np.asarray(
@@ -499,7 +464,7 @@ def test_gguf_quantized_on_workers(root: pathlib.Path,
     model = dataclasses.replace(llama_model(name, roots=[root], return_logits=True,
                                             max_seq=MAX_SEQ), buckets=())
     prompts = [PROMPTS["long"], SAME]
-    with _pipe(model, root, 2) as pipe:
+    with lazy_pipe(model, root, 2) as pipe:
         want_tokens, want_logits = generate(pipe, prompts, N_NEW, bucket=16)
     with Cluster.local(2, weights_roots=[str(root)]) as cluster:
         with cluster.deploy(model, stages=2) as pipe:

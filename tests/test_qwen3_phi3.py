@@ -23,7 +23,6 @@ change the greedy token only where the reference has a near-tie), not by long to
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import pathlib
@@ -38,7 +37,8 @@ transformers = pytest.importorskip("transformers")
 
 import ggml_blocks  # noqa: E402
 import gguf  # noqa: E402
-from llm_utils import generate, step_inputs  # noqa: E402
+from llm_utils import (  # noqa: E402
+    float_tolerance, forced_logits, generate, hf_reference, lazy_pipe)
 from quant_bound import activation_bound  # noqa: E402
 
 from jaxdist.coordinator.inprocess import InProcessPipeline  # noqa: E402
@@ -106,7 +106,7 @@ def tiny_pipes(root: pathlib.Path, hf_models: dict[str, Any]) -> Any:
     def get(arch: str, stages: int) -> InProcessPipeline:
         if (arch, stages) not in pipes:
             model = llama_model(arch, roots=[root], return_logits=True, max_seq=MAX_SEQ)
-            pipes[arch, stages] = _pipe(model, root, stages)
+            pipes[arch, stages] = lazy_pipe(model, root, stages)
         return pipes[arch, stages]
 
     yield get
@@ -114,33 +114,11 @@ def tiny_pipes(root: pathlib.Path, hf_models: dict[str, Any]) -> Any:
         pipe.close()
 
 
-def _pipe(model: Any, root: pathlib.Path, stages: int) -> InProcessPipeline:
-    # Compile lazily only the shapes a test uses: ahead-of-time buckets triple the load time.
-    return InProcessPipeline(dataclasses.replace(model, buckets=()), weights_roots=[str(root)],
-                             stages=stages)
-
-
-def _hf_reference(model: Any, prompt: Sequence[int], n_new: int) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens from ``generate`` and the logits predicting each of them."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(ids, do_sample=False, max_new_tokens=n_new, min_new_tokens=0,
-                             pad_token_id=0, eos_token_id=None)
-        new = out[0, len(prompt):].tolist()
-        full = model(out[:, :-1]).logits[0].numpy()
-    return new, full[len(prompt) - 1:]
-
-
-def _float_tolerance(want: np.ndarray) -> float:
-    """float32 sums in another order (as tests/test_llama.py's _assert_logits_close)."""
-    return 1e-4 * max(1.0, float(np.abs(want).max()))
-
-
 def _check_parity(pipe: InProcessPipeline, hf: Any, prompt: Sequence[int], what: str) -> None:
-    want_tokens, want_logits = _hf_reference(hf, prompt, N_NEW)
+    want_tokens, want_logits = hf_reference(hf, prompt, N_NEW)
     tokens, logits = generate(pipe, [prompt], N_NEW, bucket=16)
     got = np.stack([lg[0] for lg in logits])
-    err, tol = float(np.abs(got - want_logits).max()), _float_tolerance(want_logits)
+    err, tol = float(np.abs(got - want_logits).max()), float_tolerance(want_logits)
     assert err <= tol, f"{what}: max |logits - transformers| = {err:.3g} > {tol:.3g}"
     assert tokens[0] == want_tokens, f"{what}: greedy tokens differ from transformers.generate"
 
@@ -276,17 +254,8 @@ def test_gguf_parity(hf_models: dict[str, Any], root: pathlib.Path, arch: str) -
     assert cfg.rope_attn_factor == pytest.approx(want.rope_attn_factor, rel=1e-6)
     assert cfg.rope_type == want.rope_type and not cfg.rope_short_factor  # bound as a tensor
     model = llama_model(f"{arch}.gguf", roots=[root], return_logits=True, max_seq=MAX_SEQ)
-    with _pipe(model, root, 2) as pipe:
+    with lazy_pipe(model, root, 2) as pipe:
         _check_parity(pipe, hf_models[arch], PROMPTS["long"], f"{arch} GGUF")
-
-
-def _forced_logits(pipe: InProcessPipeline, tokens: Sequence[int], n_prompt: int) -> np.ndarray:
-    """Logits after the prompt ``tokens[:n_prompt]``, then after each later token fed in turn."""
-    with pipe.session() as session:
-        out = [session(step_inputs([tokens[:n_prompt]], slots=[0], pos=[0], width=16))["logits"]]
-        for p in range(n_prompt, len(tokens)):
-            out.append(session(step_inputs([[tokens[p]]], slots=[0], pos=[p]))["logits"])
-    return np.stack([o[0] for o in out])
 
 
 # The fast tier runs each arch and each type once; the slow tier the other two pairs.
@@ -301,19 +270,19 @@ def test_gguf_quantized_close(hf_models: dict[str, Any], root: pathlib.Path, arc
     name = f"{arch}.{qtype}.gguf"
     ref = _write_gguf(hf_models[arch], root / name, arch, qtype)
     prompt = PROMPTS["long"]
-    continuation, _ = _hf_reference(ref, prompt, N_FORCED)
+    continuation, _ = hf_reference(ref, prompt, N_FORCED)
     tokens = [*prompt, *continuation]
     rows = slice(len(prompt) - 1, len(tokens))
     with torch.no_grad():
         want = ref(torch.tensor([tokens])).logits[0, rows].numpy()
-    bound = activation_bound(ref, tokens, rows, qtype) + _float_tolerance(want)
+    bound = activation_bound(ref, tokens, rows, qtype) + float_tolerance(want)
     model = llama_model(name, roots=[root], return_logits=True, max_seq=MAX_SEQ)
     packed = {p.uri.rsplit("#", 1)[1]: p.quant for u in model.units for p in u.params.values()
               if p.packed}
     fused = ["blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"] if arch == "phi3" else []
     assert all(packed.get(n) == qtype for n in [*fused, "blk.0.attn_output.weight"]), packed
-    with _pipe(model, root, 1) as pipe:
-        got = _forced_logits(pipe, tokens, len(prompt))
+    with lazy_pipe(model, root, 1) as pipe:
+        got = forced_logits(pipe, [tokens[:len(prompt)]], [tokens[len(prompt):]])[:, 0]
     err = np.abs(got - want)
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
     assert (err <= bound).all(), (f"{arch} {qtype}: |logits - transformers| {err[worst]:.3g} "
