@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -53,6 +54,25 @@ def _hf_greedy(hf: object, prompt: list[int], n: int) -> list[int]:
 def _generator(pipe: object, model: object, depth: int) -> Generator:
     return Generator(pipe, input_dtypes={k: v[1] for k, v in model.inputs.items()},
                      max_slots=MAX_SLOTS, max_seq=MAX_SEQ, prefill_buckets=(8,), depth=depth)
+
+
+class _KillAt:
+    """An engine observer that SIGKILLs ``process`` at the ``n``-th token, from the engine's
+    loop: the kill lands before the next step is sent. (A kill from ``on_token``, which runs in
+    the caller's thread, can come after the engine has already finished on a busy machine.)"""
+
+    def __init__(self, n: int, process: subprocess.Popen) -> None:
+        self.n, self.process, self.seen = n, process, 0
+
+    def token(self, request_id: str, n_new: int, since_last_s: float, first: bool) -> None:
+        before, self.seen = self.seen, self.seen + n_new
+        if before < self.n <= self.seen:
+            self.process.send_signal(signal.SIGKILL)
+
+    def queued(self, *_: object) -> None:
+        """Not needed here."""
+
+    scheduled = finished = step = queued
 
 
 def _params() -> list[SamplingParams]:
@@ -192,16 +212,9 @@ def test_generation_survives_a_killed_worker_with_identical_output(tiny_llama, v
         clean = [r.tokens for r in gen.run(PROMPTS, _params())]
 
         victim = cluster.local_workers[victim_index]
-        produced = []
-        lock = threading.Lock()
-
-        def on_token(i: int, token: int) -> None:
-            with lock:
-                produced.append((i, token))
-                if len(produced) == 25:  # mid-decode, several sequences active
-                    victim.process.send_signal(signal.SIGKILL)
-
-        faulted = gen.run(PROMPTS, _params(), on_token=on_token)
+        produced: list[tuple[int, int]] = []
+        gen.engine.observer = _KillAt(25, victim.process)  # mid-decode, several running
+        faulted = gen.run(PROMPTS, _params(), on_token=lambda i, t: produced.append((i, t)))
         assert victim.process.wait(timeout=10) == -signal.SIGKILL
         assert len(pipe.failovers) == 1
         assert pipe.failovers[0].failed == victim.address
@@ -225,15 +238,9 @@ def test_generation_without_spares_fails_naming_the_worker(tiny_llama, victim_in
         pipe = cluster.deploy(model, stages=2)
         gen = _generator(pipe, model, 1)
         victim = cluster.local_workers[victim_index]
-        count = [0]
-
-        def on_token(_i: int, _t: int) -> None:
-            count[0] += 1
-            if count[0] == 5:
-                victim.process.send_signal(signal.SIGKILL)
-
+        gen.engine.observer = _KillAt(5, victim.process)
         with pytest.raises(RemoteStageError, match=victim.address) as err:
-            gen.run(PROMPTS, _params(), on_token=on_token)
+            gen.run(PROMPTS, _params())
         assert victim.process.wait(timeout=10) == -signal.SIGKILL
         # It stays broken: the failover found no spare to move the dead worker's stages to.
         assert isinstance(pipe.broken, TransportError)
