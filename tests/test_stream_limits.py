@@ -1,6 +1,7 @@
-"""Streams and frames bounded per worker (#15 item 2): streams per peer host, bytes of frames
-being received across all streams, and a timeout on a frame begun and never finished. A real
-worker process on loopback port 0, raw gRPC streams and raw data connections.
+"""Streams and frames bounded per worker (#15 item 2, #33 item 6): streams per owner (a
+pipeline whose key they prove, else their host), idle ones closed for their owner's new ones,
+bytes of frames being received across all streams, and a timeout on a frame begun and never
+finished. A real worker process on loopback port 0, raw gRPC streams and raw data connections.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jaxdist.coordinator.cluster import Cluster
 from jaxdist.coordinator.pipeline import Pipeline
 from jaxdist.coordinator.spawn import spawn_workers, stop_workers
 from jaxdist.core.errors import LimitError, TransportError
-from jaxdist.core.transport import stream
+from jaxdist.core.transport import hop, stream
 from jaxdist.core.transport.client import WorkerClient
 from jaxdist.core.transport.frames import FrameHeader, split_frame
 from jaxdist.proto import jaxdist_pb2 as pb
@@ -43,9 +44,9 @@ DEADLINE_S = 300.0  # a hang guard on each wait, not a timing assumption
 class Deployed:
     """A worker, a shared one-stage identity pipeline on it, and raw access."""
 
-    def __init__(self, extra_args: list[str]) -> None:
+    def __init__(self, extra_args: list[str], lease_s: float = 0) -> None:
         (self.worker,) = spawn_workers(1, extra_args=extra_args)
-        self.cluster = Cluster.connect([self.worker.address], lease_s=0)
+        self.cluster = Cluster.connect([self.worker.address], lease_s=lease_s)
         self.pipe: Pipeline = self.cluster.deploy(identity(1), stages=1)
         self.client = WorkerClient(self.worker.address)
         self.channel = grpc.insecure_channel(self.worker.address)
@@ -160,9 +161,9 @@ def _wait_info(d: Deployed, ready: Any, call: Any = None) -> pb.InfoReply:
 
 
 def test_streams_are_bounded_per_peer_host(bounded: Deployed) -> None:
-    """One host's Subscribe, Push and data connections share --max-streams-per-peer; past it
-    each is refused naming the flag, Info answers throughout, and a closed stream frees its
-    place."""
+    """One host's Subscribe, Push and data connections that prove no pipeline's key (here a
+    pipeline without one, as `jaxdist deploy` pins) share --max-streams-per-peer; past it each
+    is refused naming the flag, Info answers throughout, and a closed stream frees its place."""
     subs: list[Events] = []
     try:
         # The cluster's own events and frames connections, from this host too (each is
@@ -178,16 +179,16 @@ def test_streams_are_bounded_per_peer_host(bounded: Deployed) -> None:
         refused = extra.first()
         assert isinstance(refused, grpc.RpcError)
         assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert (f"Subscribe from 127.0.0.1: that host holds {STREAMS} streams (Push, Subscribe "
+        assert (f"Subscribe of host 127.0.0.1: it holds {STREAMS} streams (Push, Subscribe "
                 f"and data connections) open on this worker, the limit "
                 f"(--max-streams-per-peer={STREAMS})") in refused.details()
         with pytest.raises(grpc.RpcError) as push:
             bounded.push(iter([b""]), timeout=60)
         assert push.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "Push from 127.0.0.1: that host holds" in push.value.details()
+        assert "Push of host 127.0.0.1: it holds" in push.value.details()
         said = asyncio.run(_data_connection(bounded, b""))
         assert isinstance(said, LimitError)
-        assert "data connection from 127.0.0.1" in str(said)
+        assert "data connection of host 127.0.0.1" in str(said)
         assert f"(--max-streams-per-peer={STREAMS})" in str(said)
         # A closed stream gives its place back.
         subs.pop().close()
@@ -569,3 +570,107 @@ def test_hub_drops_the_subscription_holding_the_most_past_the_total() -> None:
         assert hub.queued == 0
 
     asyncio.run(main())
+
+
+OWNED_STREAMS = 4  # --max-streams-per-peer of the `owned` worker
+OWNED_IDLE_S = 2.0  # its --frame-idle-timeout
+
+
+@pytest.fixture(scope="module")
+def owned() -> Iterator[Deployed]:
+    """A pipeline with a key of its own (a leased pipeline, as Cluster.deploy makes), so its
+    coordinator's streams prove that key and count under the pipeline, not the host."""
+    d = Deployed(["--max-streams-per-peer", str(OWNED_STREAMS),
+                  "--frame-idle-timeout", str(OWNED_IDLE_S)], lease_s=30)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _idle_push(d: Deployed, stop: threading.Event) -> Any:
+    """A raw Push stream (no credential: counted under this host) that sends nothing."""
+    def nothing() -> Iterator[bytes]:
+        stop.wait()
+        return
+        yield b""
+
+    return d.push.future(nothing(), timeout=DEADLINE_S)
+
+
+def test_a_hosts_streams_do_not_keep_a_pipelines_streams_out(owned: Deployed) -> None:
+    """Another client on the same host fills that host's --max-streams-per-peer: the keyed
+    pipeline's own streams (its coordinator's, which prove its key) are counted apart, so it
+    keeps serving and opens new streams; a stream claiming the pipeline with a wrong
+    credential is refused, not counted under it."""
+    pipe = owned.pipe
+    assert pipe.key and set(pipe.links.values()) == {"tcp"}
+    held = _wait_info(owned, lambda i: i.streams >= 2).streams
+    assert held == 2  # the pipeline's events and frames connections
+    subs = [Events(owned, "no-such-pipeline") for _ in range(OWNED_STREAMS)]
+    try:
+        for s in subs:
+            assert not isinstance(s.first(), BaseException)
+        refused = Events(owned, "no-such-pipeline").first()
+        assert isinstance(refused, grpc.RpcError)
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "Subscribe of host 127.0.0.1: it holds 4 streams" in refused.details()
+        x = np.ones((4, 8), np.float32)
+        np.testing.assert_array_equal(pipe.call(x=x, timeout=60)["x"], x)
+        # A new stream of the pipeline, proving its key, gets in past the full host.
+        own = owned.client.subscribe(pipe.pipeline_id, f"own-{uuid.uuid4().hex}", pipe.key)
+        assert next(iter(own)).msg.WhichOneof("kind") == "heartbeat"
+        own.cancel()
+        # A hop credential that is not the pipeline's opens nothing.
+        forged = ((hop.PIPELINE_HEADER, pipe.pipeline_id.encode()),
+                  (hop.CREDENTIAL_HEADER, bytes(32)))
+        with pytest.raises(grpc.RpcError) as bad:
+            owned.push(iter([b""]), metadata=forged, timeout=60)
+        assert bad.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "is not that pipeline's" in bad.value.details()
+    finally:
+        for s in subs:
+            s.close()
+    _wait_info(owned, lambda i: i.streams == held)
+
+
+def test_an_idle_stream_of_frames_is_closed_for_its_owners_new_one(owned: Deployed) -> None:
+    """An owner at its limit opens another stream: its oldest stream of frames that has sent
+    nothing for --frame-idle-timeout is closed for it, saying why; a Subscribe is never closed
+    for room, and before any stream has been idle that long the new one is refused."""
+    stop = threading.Event()
+    held = _wait_info(owned, lambda i: i.streams >= 2).streams
+    sub = Events(owned, "no-such-pipeline")
+    pushes = []
+    try:
+        assert not isinstance(sub.first(), BaseException)
+        for n in range(OWNED_STREAMS - 1):
+            pushes.append(_idle_push(owned, stop))
+            _wait_info(owned, lambda i, n=n: i.streams == held + 2 + n)
+        # Full, and nothing idle long enough yet: refused at once, naming the flags.
+        early = _idle_push(owned, stop)
+        with pytest.raises(grpc.RpcError) as refused:
+            early.result(timeout=60)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--frame-idle-timeout" in refused.value.details()
+        # Once the first Push has been idle long enough, a new one takes its place.
+        deadline = time.monotonic() + DEADLINE_S
+        while not pushes[0].done():
+            assert time.monotonic() < deadline, "no idle stream was closed for the new one"
+            late = _idle_push(owned, stop)
+            threading.Event().wait(0.2)
+            if not late.done():
+                pushes.append(late)
+        with pytest.raises(grpc.RpcError) as closed:
+            pushes[0].result(timeout=60)
+        assert closed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "closed: this Push stream sent nothing for" in closed.value.details()
+        assert (f"(--frame-idle-timeout={OWNED_IDLE_S:g}) and host 127.0.0.1 opened another past "
+                f"its limit of {OWNED_STREAMS} streams") in closed.value.details()
+        assert not any(p.done() for p in pushes[1:])
+        assert not any(isinstance(e, BaseException) for e in list(sub.items.queue))
+        assert owned.info().streams == held + OWNED_STREAMS
+    finally:
+        stop.set()
+        sub.close()
+    _wait_info(owned, lambda i: i.streams == held)

@@ -167,8 +167,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a stream that began a frame and sends nothing more of it for "
                              "this long is ended (default %(default)s)")
     limits.add_argument("--max-streams-per-peer", type=int, default=256, metavar="N",
-                        help="Push, Subscribe and data connections one peer host may hold open "
-                             "at once (default %(default)s)")
+                        help="Push, Subscribe and data connections one owner (a pipeline "
+                             "whose key they prove, else a peer host) may hold open at once; "
+                             "past it, the owner's stream of frames idle for "
+                             "--frame-idle-timeout is closed for the new one (default "
+                             "%(default)s)")
     limits.add_argument("--max-id-bytes", type=int, default=MAX_ID_BYTES, metavar="N",
                         help="longest pipeline, stage, session or reply-to id, or model name, "
                              "in UTF-8 bytes; a request with a longer one is refused "

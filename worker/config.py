@@ -40,7 +40,7 @@ class WorkerConfig:
     max_frame_bytes: int = 1 << 30                    # tensor bytes in one frame, all tensors
     max_inflight_bytes: int = 2 << 30                 # bytes of frames being received, all streams
     frame_idle_timeout: float = 30.0                  # s a begun frame may wait for its next part
-    max_streams_per_peer: int = 256                   # Push, Subscribe, data conns per peer host
+    max_streams_per_peer: int = 256                   # Push, Subscribe, data conns per owner
     max_frame_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES  # largest tensor in a frame
     max_tensors_per_frame: int = codec.DEFAULT_MAX_TENSORS
     max_id_bytes: int = MAX_ID_BYTES                  # longest id or model name kept

@@ -57,6 +57,7 @@ class DataPortWorker(IngressWorker, Protocol):
 
     def open_subscription(self, request: bytes, what: str, peer: str) -> OpenSubscription: ...
     def hop_key(self, pipeline_id: str) -> bytes | None: ...
+    def stream_owner(self, peer: str, pipeline_id: str | None) -> str: ...
     def events(self, opened: OpenSubscription) -> AsyncGenerator[pb.Event, None]: ...
 
 
@@ -194,7 +195,7 @@ class DataListener:
             writing.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await writing
-            self._worker.streams.leave(opened.host)
+            self._worker.streams.leave(opened.stream)
 
     async def _write_events(self, writer: asyncio.StreamWriter, opened: OpenSubscription
                             ) -> None:
@@ -227,12 +228,13 @@ class DataListener:
 
         watch = stream.IdleWatch(idle)
         try:
-            with worker.streams.hold("data connection", peer):
+            with worker.streams.hold("data connection", worker.stream_owner(peer, pipeline_id),
+                                     frames=True) as opened:
                 while True:
                     try:
-                        data = await stream.read_message(reader, self._max_message, self._limit,
-                                                         wait=ingress.idle_timeout, watch=watch,
-                                                         reserve=reserve)
+                        data = await opened.next(stream.read_message(
+                            reader, self._max_message, self._limit, wait=ingress.idle_timeout,
+                            watch=watch, reserve=reserve))
                     except TimeoutError:
                         if ingress.idle_timeout is not None and not reserved[0]:
                             raise await ingress.stalled(

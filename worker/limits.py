@@ -9,8 +9,11 @@ with a message naming the flag, its value and what was asked for.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psutil
@@ -18,8 +21,11 @@ import psutil
 from jaxdist.core.errors import LimitError
 from jaxdist.core.weights.uri import clip
 
-__all__ = ["KV_MEMORY_FRACTION", "MAX_ID_BYTES", "FrameBudget", "InflightBytes", "PeerStreams",
-           "check_ids", "default_max_kv_bytes", "next_within", "peer_host"]
+log = logging.getLogger(__name__)
+
+__all__ = ["KV_MEMORY_FRACTION", "MAX_ID_BYTES", "FrameBudget", "InflightBytes", "OpenStream",
+           "Streams", "check_ids", "default_max_kv_bytes", "next_within", "peer_host",
+           "stream_owner"]
 
 MAX_ID_BYTES = 256
 """Default ``--max-id-bytes``: the longest pipeline, stage, session, reply-to id or model name a
@@ -194,51 +200,132 @@ def peer_host(peer: str) -> str:
     return host if sep and port.isdigit() else peer
 
 
-class PeerStreams:
-    """Streams open per peer host: ``Push``, ``Subscribe`` and data connections (on the loop
-    only). Streams cost the worker no thread, but each holds memory and a share of gRPC's
-    concurrent-call limit; without this bound one client's idle streams took all of it, and every
-    other client got "Concurrent RPC limit exceeded".
+def stream_owner(peer: str, pipeline_id: str | None = None) -> str:
+    """Whom a stream is counted under: ``pipeline ID`` for a stream that proved a pipeline's own
+    key (its hop credential, or a ``Subscribe``'s key), else ``host HOST``. The workers' token is
+    shared by every coordinator of a cluster, so it tells none apart; a pipeline's key does."""
+    return f"pipeline {pipeline_id}" if pipeline_id is not None else f"host {peer_host(peer)}"
 
-    Args:
-        limit: the most streams one peer host holds open at once (``--max-streams-per-peer``).
-    """
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._open: dict[str, int] = {}
-        self.total = 0  # streams open, all peers (read from any thread)
+@dataclass(eq=False)
+class OpenStream:
+    """A stream counted by :class:`Streams`: whom it is counted under and, for a stream of
+    frames, the task reading it, which is stopped when the stream has sent nothing for a while
+    and its owner needs room."""
 
-    @contextmanager
-    def hold(self, what: str, peer: str) -> Iterator[None]:
-        """Count a stream of ``peer`` while the block runs. See :meth:`enter`."""
-        host = self.enter(what, peer)
-        try:
-            yield
-        finally:
-            self.leave(host)
+    owner: str
+    what: str
+    task: asyncio.Task[Any] | None = None  # None: never closed for room (Subscribe)
+    last: float = field(default_factory=time.monotonic)  # when it last sent a message
+    waiting: bool = False  # its task waits in next()
+    closed_why: str | None = None  # set when it was closed for another stream of its owner
 
-    def enter(self, what: str, peer: str) -> str:
-        """Count a stream of ``peer`` (a gRPC peer string or ``HOST:PORT``); the host to
-        :meth:`leave` when it ends.
+    async def next(self, message: Awaitable[T]) -> T:
+        """Await the stream's next message (its task's only wait for one).
 
         Raises:
-            LimitError: the peer's host has ``limit`` streams open already; names ``what``,
-                the host, the count and the flag.
+            LimitError: the stream was closed for another of its owner, saying why.
         """
-        host = peer_host(peer)
-        n = self._open.get(host, 0)
-        if n >= self.limit:
-            raise LimitError(f"{what} from {clip(host, 80)}: that host holds {n} streams (Push, "
-                             f"Subscribe and data connections) open on this worker, the limit "
-                             f"(--max-streams-per-peer={self.limit}); close some, or raise it")
-        self._open[host] = n + 1
-        self.total += 1
-        return host
+        if self.closed_why is not None:
+            if isinstance(message, Coroutine):
+                message.close()
+            raise LimitError(self.closed_why)
+        self.waiting = True
+        try:
+            got = await message
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.closed_why is None or task is None:
+                raise
+            task.uncancel()
+            raise LimitError(self.closed_why) from None
+        finally:
+            self.waiting = False
+        self.last = time.monotonic()
+        return got
 
-    def leave(self, host: str) -> None:
-        self.total -= 1
-        if self._open[host] <= 1:
-            del self._open[host]
-        else:
-            self._open[host] -= 1
+
+class Streams:
+    """Streams open per owner (:func:`stream_owner`): ``Push``, ``Subscribe`` and data
+    connections (on the loop only). Streams cost the worker no thread, but each holds memory and
+    a share of gRPC's concurrent-call limit; without a bound one client's idle streams took all
+    of it, and every other client got "Concurrent RPC limit exceeded".
+
+    An owner at its limit that opens another stream gets room from its own streams of frames
+    that have sent nothing for ``idle_s`` (the oldest first; each is closed with a message
+    saying why); with none, the new stream is refused. So a pipeline's streams are never closed
+    for another client, and a client's idle streams never keep it out.
+
+    Args:
+        limit: the most streams one owner holds open at once (``--max-streams-per-peer``).
+        idle_s: how long a stream of frames must have sent nothing to be closed for room
+            (``--frame-idle-timeout``).
+    """
+
+    def __init__(self, limit: int, idle_s: float) -> None:
+        self.limit = limit
+        self.idle_s = idle_s
+        self._open: dict[str, list[OpenStream]] = {}
+        self.total = 0  # streams open, all owners (read from any thread)
+        self.closed_idle = 0  # streams closed for room, since start
+
+    @contextmanager
+    def hold(self, what: str, owner: str, *, frames: bool = False) -> Iterator[OpenStream]:
+        """Count a stream while the block runs. See :meth:`enter`."""
+        opened = self.enter(what, owner, frames=frames)
+        try:
+            yield opened
+        finally:
+            self.leave(opened)
+
+    def enter(self, what: str, owner: str, *, frames: bool = False) -> OpenStream:
+        """Count a stream of ``owner``; give it back with :meth:`leave` when it ends.
+
+        Args:
+            what: the kind of stream, for messages (``"Push"``, ``"Subscribe"``, ...).
+            frames: a stream of frames, read by the current task with
+                :meth:`OpenStream.next`: it may be closed for room once idle.
+
+        Raises:
+            LimitError: ``owner`` has ``limit`` streams open already, none of them of frames
+                idle for ``idle_s``; names ``what``, the owner, the count and the flag.
+        """
+        streams = self._open.setdefault(owner, [])
+        if len(streams) >= self.limit:
+            self._make_room(what, owner, streams)
+        opened = OpenStream(owner, what, asyncio.current_task() if frames else None)
+        streams.append(opened)
+        self.total += 1
+        return opened
+
+    def _make_room(self, what: str, owner: str, streams: list[OpenStream]) -> None:
+        now = time.monotonic()
+        idle = [s for s in streams if s.task is not None and now - s.last >= self.idle_s]
+        if not idle:
+            raise LimitError(
+                f"{what} of {clip(owner, 90)}: it holds {len(streams)} streams (Push, "
+                f"Subscribe and data connections) open on this worker, the limit "
+                f"(--max-streams-per-peer={self.limit}), and none of its streams of frames "
+                f"has been idle for {self.idle_s:g} s (--frame-idle-timeout) to be closed for "
+                f"it; close some, or raise the limit")
+        victim = min(idle, key=lambda s: s.last)
+        why = (f"closed: this {victim.what} stream sent nothing for {now - victim.last:.0f} s "
+               f"(--frame-idle-timeout={self.idle_s:g}) and {clip(owner, 90)} opened another "
+               f"past its limit of {self.limit} streams (--max-streams-per-peer)")
+        self.leave(victim)
+        victim.closed_why = why
+        self.closed_idle += 1
+        log.info("%s", why)
+        if victim.waiting and victim.task is not None:
+            victim.task.cancel()  # else it ends at its next wait
+
+    def leave(self, opened: OpenStream) -> None:
+        """Give back ``opened``'s place (once: a stream closed for room already gave it)."""
+        if opened.closed_why is not None:
+            return
+        streams = self._open.get(opened.owner, [])
+        if opened in streams:
+            streams.remove(opened)
+            self.total -= 1
+            if not streams:
+                del self._open[opened.owner]

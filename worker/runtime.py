@@ -32,6 +32,7 @@ from jaxdist.core.transport.frames import FrameHeader, result_events, split_fram
 from jaxdist.core.transport.security import ClientAuth
 from jaxdist.core.transport.trust import PeerTrust, check_hop, peer_credentials
 from jaxdist.proto import jaxdist_pb2 as pb
+from jaxdist.worker.limits import OpenStream
 
 __all__ = ["HEARTBEAT", "GrpcRoute", "Hub", "OpenSubscription", "PeerPool", "Subscription",
            "publish_failure"]
@@ -56,11 +57,11 @@ def _nbytes(event: Any) -> int:
 
 @dataclass(frozen=True)
 class OpenSubscription:
-    """A checked ``SubscribeRequest`` and the peer host its stream is counted under
+    """A checked ``SubscribeRequest`` and its stream's place in the worker's count
     (``WorkerServicer.open_subscription``)."""
 
     request: pb.SubscribeRequest
-    host: str
+    stream: OpenStream
 
 
 class Subscription:

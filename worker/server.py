@@ -28,9 +28,11 @@ import grpc
 
 from jaxdist.core.errors import TransportError
 # The open-file limit and the connection bound under it, shared with jaxdist serve. The gRPC port
-# holds connection_limit() at once; beyond it a new connection waits for one to close, and an
-# idle one that never finishes its handshake is closed after 5 s (grpc.server_handshake_timeout_ms).
-from jaxdist.core.openfiles import FD_RESERVE, connection_limit, raise_fd_limit
+# takes a connection only once it has sent data (defer_accept: a silent one waits in the kernel,
+# holding no descriptor), holds connection_limit() at once, and closes one that has not finished
+# its handshake after 2 s (grpc.server_handshake_timeout_ms).
+from jaxdist.core.openfiles import (DEFER_ACCEPT_S, FD_RESERVE, connection_limit, defer_accept,
+                                    raise_fd_limit)
 from jaxdist.core.transport import wire
 from jaxdist.core.transport.channel import SERVER_OPTIONS
 from jaxdist.core.transport.security import ServerAuth, TokenInterceptor
@@ -144,6 +146,13 @@ def create_server(listen: str, config: WorkerConfig, auth: ServerAuth | None = N
         wire.add_worker_servicer(servicer, server)
         await servicer.health.attach(server)
         await server.start()
+        if defer_accept(int(bound)):
+            log.info("the gRPC port takes a connection once it has sent data "
+                     "(TCP_DEFER_ACCEPT, %d s): silent connections hold no descriptor",
+                     DEFER_ACCEPT_S)
+        else:
+            log.warning("TCP_DEFER_ACCEPT is not available here: a silent connection holds a "
+                        "descriptor until the handshake timeout")
         return server, servicer, address, data
 
     try:

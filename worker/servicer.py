@@ -31,6 +31,7 @@ import jaxdist
 from jaxdist.core import artifacts, devices, heap, kernels
 from jaxdist.core.errors import (
     ArtifactError,
+    AuthError,
     JaxdistError,
     LimitError,
     PipelineKeyError,
@@ -53,10 +54,11 @@ from jaxdist.worker.health import WorkerHealth
 from jaxdist.worker.ingress import FrameIngress
 from jaxdist.worker.limits import (
     InflightBytes,
-    PeerStreams,
+    Streams,
     check_ids,
     default_max_kv_bytes,
     next_within,
+    stream_owner,
 )
 from jaxdist.worker.loads import CallerLeft, Load, Loads
 from jaxdist.worker.pipelines import LoadedPipelines, stop_unloaded
@@ -155,7 +157,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                          max_compiled_shapes=config.max_compiled_shapes)
         self.uploads = ArtifactUploads(config, self.registry)
         self.inflight = InflightBytes(config.max_inflight_bytes)  # frames being received
-        self.streams = PeerStreams(config.max_streams_per_peer)  # Push, Subscribe, data conns
+        # Push, Subscribe and data connections, per pipeline or peer host
+        self.streams = Streams(config.max_streams_per_peer, config.frame_idle_timeout)
         threading.Thread(target=self.pipelines.watch_leases, args=(self._reaper_stop,),
                          name="lease-watch", daemon=True).start()
         self._draining = threading.Event()
@@ -474,16 +477,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _push(self, request_iterator: AsyncIterator[FrameView],
                     context: grpc.aio.ServicerContext) -> pb.PushAck:
         peer = context.peer()
-        # A next hop's stream: its hop credential (checked by the token interceptor) opens
-        # that one pipeline, so every frame on it must be of that pipeline.
-        given = hop.presented(context.invocation_metadata())
-        ingress = FrameIngress(self, pipeline_id=given[0] if isinstance(given, tuple) else None)
+        # A stream with a pipeline's hop credential (a next hop's, or its coordinator's) opens
+        # that one pipeline, so every frame on it must be of that pipeline, and it is counted
+        # under that pipeline when the credential proves the pipeline's own key.
+        pipeline = self.hop_pipeline(hop.presented(context.invocation_metadata()))
+        ingress = FrameIngress(self, pipeline_id=pipeline)
         try:
-            with self.streams.hold("Push", peer):
+            with self.streams.hold("Push", self.stream_owner(peer, pipeline),
+                                   frames=True) as opened:
                 messages = aiter(request_iterator)
                 while True:
                     try:
-                        msg = await next_within(messages, ingress.idle_timeout)
+                        msg = await opened.next(next_within(messages, ingress.idle_timeout))
                     except TimeoutError:
                         raise await ingress.stalled(f"Push from {clip(peer, 80)}") from None
                     if msg is None:
@@ -492,6 +497,30 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             ingress.close()
         return pb.PushAck(frames=ingress.messages)
+
+    def hop_pipeline(self, given: tuple[str, bytes] | str | None) -> str | None:
+        """The pipeline a ``Push``'s hop credential (:func:`hop.presented`) opens, checked
+        here whatever else the call presented; ``None`` for a call without one.
+
+        Raises:
+            AuthError: malformed, or not that pipeline's credential on this worker.
+        """
+        if given is None:
+            return None
+        problem = given if isinstance(given, str) else hop.check(
+            given[0], given[1], key=self.hop_key(given[0]), token=self.config.peer_auth.hmac_key)
+        if problem is not None:
+            raise AuthError(problem)
+        assert isinstance(given, tuple)
+        return given[0]
+
+    def stream_owner(self, peer: str, pipeline_id: str | None) -> str:
+        """Whom a stream of ``peer`` is counted under (``limits.stream_owner``): the pipeline
+        when its stream proved that pipeline's own key, else ``peer``'s host. A pipeline
+        without a key (``jaxdist deploy``'s) is opened by the shared token: its streams count
+        under their host."""
+        keyed = pipeline_id is not None and bool(self.hop_key(pipeline_id))
+        return stream_owner(peer, pipeline_id if keyed else None)
 
     def runtime_for(self, pipeline_id: str, stage: int) -> StageRuntime | None:
         """The loaded stage a frame is for, if any (on the loop, per frame: no lock)."""
@@ -528,7 +557,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except JaxdistError as exc:  # dropped for not reading, or the key no longer opens it
             await context.abort(_failure(exc, context, "Subscribe"), str(exc))
         finally:
-            self.streams.leave(sub.host)
+            self.streams.leave(sub.stream)
 
     def open_subscription(self, request: bytes, what: str, peer: str) -> OpenSubscription:
         """Check a ``SubscribeRequest`` (its bytes) of ``peer`` and count its stream (the caller
@@ -543,7 +572,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         check_ids(what, self.config.max_id_bytes, pipeline_id=sub.pipeline_id,
                   reply_to=sub.reply_to)
         self.pipelines.check_key(what, sub.pipeline_id, sub.pipeline_key)
-        return OpenSubscription(sub, self.streams.enter(what, peer))
+        keyed = bool(sub.pipeline_key)  # and check_key found it to be the pipeline's
+        owner = self.stream_owner(peer, sub.pipeline_id if keyed else None)
+        return OpenSubscription(sub, self.streams.enter(what, owner))
 
     async def events(self, opened: OpenSubscription) -> AsyncGenerator[pb.Event, None]:
         """The events of one subscription: a heartbeat at once (it is registered), then

@@ -136,10 +136,13 @@ class TcpSender:
         address: the worker's gRPC address, for errors.
         auth: the token and TLS to present.
         on_error: told of the error that ended the connection (not of :meth:`close`).
+        pipeline: ``(pipeline id, hop credential)`` to prove instead of the token: the
+            worker then counts the connection under that pipeline (``transport/hop.py``).
     """
 
     def __init__(self, hop: str, address: str, auth: DataAuth, *,
-                 on_error: Callable[[TransportError], None] | None = None) -> None:
+                 on_error: Callable[[TransportError], None] | None = None,
+                 pipeline: tuple[str, bytes] | None = None) -> None:
         self.address = address
         self.hop = hop
         self._on_error = on_error
@@ -150,12 +153,15 @@ class TcpSender:
         self._data = data_loop()
         self._loop = self._data.loop
         self._conn: _SenderConnection | None = None
-        self._opened = self._data.submit(self._open(auth))
+        self._opened = self._data.submit(self._open(auth, pipeline))
 
-    async def _open(self, auth: DataAuth) -> _SenderConnection:
+    async def _open(self, auth: DataAuth, pipeline: tuple[str, bytes] | None
+                    ) -> _SenderConnection:
         where = f"data connection to worker {self.address} (data port {self.hop})"
         base = await open_connection(self.hop, where=where, key=auth.key,
-                                     context=auth.context, watch=False)
+                                     context=auth.context, watch=False,
+                                     hop_pipeline=pipeline[0] if pipeline else None,
+                                     hop_credential=pipeline[1] if pipeline else None)
         conn = _SenderConnection(base.reader, base.writer, base.max_message, self.hop)
         conn.on_closed = self._closed_by_worker
         self._conn = conn

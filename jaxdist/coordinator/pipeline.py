@@ -49,6 +49,8 @@ from jaxdist.core.transport.channel import FrameSender
 from jaxdist.core.transport.client import WorkerClient
 from jaxdist.core.transport.dataconn import data_address
 from jaxdist.core.transport.frames import EventView, FrameAssembler, FrameHeader, split_frame
+from jaxdist.core.transport.hop import credential as hop_credential
+from jaxdist.core.transport.hop import metadata as hop_metadata
 from jaxdist.export.model import Model
 from jaxdist.proto import jaxdist_pb2 as pb
 
@@ -201,14 +203,19 @@ class Pipeline:
             raise self._key_refused
         first = self.clients[0].address
         on_error = functools.partial(self._sender_failed, first, epoch)
+        # The input stream proves the pipeline's key (its hop credential), so the worker counts
+        # it under this pipeline, apart from every other client's streams on this host.
+        proof = hop_credential(self.pipeline_id, self.key, None) if self.key else None
         if hops[first] and auth is not None:
-            sender = TcpSender(hops[first], first, auth, on_error=on_error)
+            sender = TcpSender(hops[first], first, auth, on_error=on_error,
+                               pipeline=(self.pipeline_id, proof) if proof else None)
             # Connected before the pipeline is handed out, as the subscriptions are: a
             # failure is the first submit's error.
             sender.wait_connected(max(0.0, deadline - time.monotonic()))
             self._sender: TcpSender | FrameSender = sender
         else:
-            self._sender = self.clients[0].sender(on_error=on_error)
+            self._sender = self.clients[0].sender(
+                on_error=on_error, metadata=hop_metadata(self.pipeline_id, proof))
 
     def _data_hop(self, client: WorkerClient) -> str:
         """The data port of ``client``'s worker to reach it on, or ``""`` (logged): gRPC."""

@@ -15,15 +15,22 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import socket
 
-__all__ = ["FD_RESERVE", "connection_limit", "raise_fd_limit"]
+__all__ = ["DEFER_ACCEPT_S", "FD_RESERVE", "connection_limit", "defer_accept", "raise_fd_limit"]
 
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256
 """File descriptors kept for the process's own use (weights, artifacts, peers, logs, pipes)
 beyond the connections it accepts."""
+
+
+DEFER_ACCEPT_S = 60
+"""How long the kernel keeps a connection that has sent nothing away from a listener that
+defers accepts (:func:`defer_accept`)."""
 
 
 def raise_fd_limit() -> int:
@@ -47,3 +54,45 @@ def connection_limit(reserve: int = FD_RESERVE) -> int:
     64)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return max(64, soft - reserve)
+
+
+def defer_accept(port: int, seconds: int = DEFER_ACCEPT_S) -> int:
+    """Have the kernel hand this process's listening TCP sockets on ``port`` a connection only
+    once the client has sent data (Linux's ``TCP_DEFER_ACCEPT``); the number of listeners set.
+
+    A connection that stays silent then takes no descriptor and no slot of the server's
+    connection bound for ``seconds`` (it waits in the kernel's SYN queue, of
+    ``net.ipv4.tcp_max_syn_backlog`` entries); one that speaks first, as gRPC and TLS clients
+    do, is accepted at once. After ``seconds`` the kernel hands a silent connection over, and
+    the server's handshake timeout closes it. Only for protocols in which the client speaks
+    first: a server that sends a greeting first would wait ``seconds`` for every client.
+
+    The listeners are found among the process's descriptors (``/proc/self/fd``), so it works
+    on a socket a library opened (gRPC's). Returns 0 where the platform has neither: macOS,
+    Windows.
+    """
+    option = getattr(socket, "TCP_DEFER_ACCEPT", None)
+    if option is None or not os.path.isdir("/proc/self/fd"):
+        return 0
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = os.dup(int(name))  # a copy: closing it keeps the original open
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            continue  # not a socket
+        with sock:
+            try:
+                if (sock.family in (socket.AF_INET, socket.AF_INET6)
+                        and sock.type == socket.SOCK_STREAM
+                        and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                        and sock.getsockname()[1] == port):
+                    sock.setsockopt(socket.IPPROTO_TCP, option, seconds)
+                    n += 1
+            except OSError:
+                continue
+    return n

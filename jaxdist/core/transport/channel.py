@@ -56,10 +56,13 @@ SERVER_OPTIONS: list[tuple[str, int]] = GRPC_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.so_reuseport", 0),
     # Before authentication nothing is held for long: a connection that has not finished its
-    # HTTP/2 (and TLS) handshake within 5 s is closed (gRPC's default: 120 s), and the
+    # HTTP/2 (and TLS) handshake within 2 s is closed (gRPC's default: 120 s), and the
     # connections held at once are bounded (jaxdist.worker.server sets the bound from the
-    # worker's file descriptor limit), so idle sockets cannot take every descriptor.
-    ("grpc.server_handshake_timeout_ms", 5000),
+    # worker's file descriptor limit), so idle sockets cannot take every descriptor. The worker
+    # also has the kernel accept a connection only once it has sent data (openfiles.
+    # defer_accept), so the handshake's clock starts with the client's first bytes in hand:
+    # 2 s is one TLS round trip's worth many times over.
+    ("grpc.server_handshake_timeout_ms", 2000),
 ]
 
 
@@ -103,7 +106,7 @@ class FrameSender:
 
     def __init__(self, push: Any, address: str, *,
                  on_error: Callable[[TransportError], None] | None = None,
-                 metadata: tuple[tuple[str, str], ...] = (), max_pending: int = 64) -> None:
+                 metadata: tuple[tuple[str, str | bytes], ...] = (), max_pending: int = 64) -> None:
         self.address = address
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_pending)
         self._on_error = on_error

@@ -214,9 +214,12 @@ class WorkerClient:
         return reply
 
     def sender(self, on_error: Callable[[TransportError], None] | None = None,
-               max_pending: int = 64) -> FrameSender:
+               max_pending: int = 64, metadata: tuple[tuple[str, str | bytes], ...] = ()
+               ) -> FrameSender:
+        """A ``Push`` stream to this worker; ``metadata`` goes with the client's own (a
+        pipeline's hop credential: ``transport/hop.py``)."""
         return FrameSender(wire.push_method(self.channel), self.address, on_error=on_error,
-                           metadata=self.metadata, max_pending=max_pending)
+                           metadata=(*self.metadata, *metadata), max_pending=max_pending)
 
     def subscribe(self, pipeline_id: str, reply_to: str, key: bytes = b"") -> Any:
         """The event stream of a pipeline on this worker, as :class:`frames.EventView` items
