@@ -163,7 +163,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                          name="lease-watch", daemon=True).start()
         self._draining = threading.Event()
         self.health = WorkerHealth()  # grpc.health.v1; server.py serves it
-        # Waits for device results and compiles new shapes, off the data-plane loop.
+        # Compiles new shapes, off the data-plane loop (each stage runs its steps and waits
+        # for its device results in threads of its own: jaxdist.core.runtime).
         self._egress_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="egress")
         # LoadStage's work; the call itself waits on the loop, to learn if its caller leaves.
@@ -237,9 +238,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                              dequantized_types=rt.stage.dequantized_types,
                              frames=rt.frames_done, compute_seconds=rt.compute_s,
                              bytes_in=rt.bytes_in, bytes_out=rt.bytes_out,
-                             in_flight=rt.in_flight, route=_route_kind(rt),
-                             threaded_shapes=["x".join(str(s) for s in shapes)
-                                              for shapes in rt.threaded_shapes])
+                             in_flight=rt.in_flight, route=_route_kind(rt))
         return reply
 
     @_rpc

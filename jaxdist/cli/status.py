@@ -143,8 +143,6 @@ def _print_worker(r: pb.InfoReply) -> None:
         for st in stages:
             dequantized = (f"  (dequantized: {', '.join(st.dequantized_types)})"
                            if st.dequantized_types else "")
-            if st.threaded_shapes:  # a slower path, taken for long steps: shown
-                dequantized += f"  (steps off the loop: {', '.join(st.threaded_shapes)})"
             print(f"  {st.pipeline_id:<{w}} {st.stage_index:>5}  {st.model:<{m}}  "
                   f"{st.artifact_digest[:19]:<20} {fmt_bytes(st.weight_bytes):>10} "
                   f"{fmt_bytes(st.packed_bytes):>10} {st.sessions:>8}  "

@@ -115,7 +115,7 @@ class InProcessPipeline:
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="inproc")
         self._runtimes = [StageRuntime(s, stage_id=s.spec.stage_id, pipeline_id=self.pipeline_id,
                                        sessions=self.sessions, route=_LocalRoute(self, k),
-                                       pool=self._pool)
+                                       pool=self._pool, inline_steps=True)
                           for k, s in enumerate(self.stages)]
         self._pending: dict[int, _Future] = {}
         self._lock = threading.Lock()

@@ -18,28 +18,30 @@ holds up only that pipeline.
 
 Per frame, on the loop::
 
-    process: compiled? -- no --> compile in a thread
-             run: inline when the stage is on the host and its steps of this shape are short,
-                  else in a thread (the loop keeps serving the other pipelines and heartbeats)
+    process: compiled? -- no --> compile in a thread of the shared pool
+             run: in the stage's own step thread (its lane)
              ready on the host? -- yes, and nothing queued --> route.forward        (inline)
                                 `-- otherwise --> [egress queue] -> egress task:
-                                                  wait in a thread, route.forward
+                                                  wait in the stage's host thread, route.forward
 
-A frame whose outputs are ready when the step returns (on XLA:CPU, every small step) goes out at
-once from the task that read it: no thread handoff on the way through (each costs ~16 us of
-context switches on these machines, and a 4 KB hop is ~0.1 ms of work in all). A step that took
-longer than :data:`INLINE_MAX_S` (each of the last :data:`TIMED_STEPS` of its shape) runs in a
-thread from then on, so one pipeline's long steps never stall the loop; a shape's first step
-runs in a thread too, since nothing is known of it yet. The egress queue keeps a stage's frames in order; it is bounded, and when
-it is full the caller of ``process`` waits (for gRPC: the Push stream stops reading and flow
-control pushes back to the sender).
+On a worker a step never runs on the loop: each stage has a thread of its own for its steps
+(one at a time, in frame order) and one for waiting on device results, so one stage's long step
+holds up only its own later steps. The loop parses, forwards and beats, so another pipeline's
+frame waits for the loop's own per-frame work and never for a step, and the heartbeats go out
+on time whatever the steps do (XLA releases the GIL while it computes). The handoff costs ~16 us
+of context switches each way on these machines, which a decode step of SmolLM2 does not show
+(measured: bench/NOTES.md, "Steps off the loop"). A frame whose outputs are ready when the step
+returns (on XLA:CPU, every step) goes out at once from the task that read it. An in-process
+pipeline (``inline_steps``), whose loop serves it alone, runs its steps on the loop: a plain
+``jax.jit`` call needs no handoff, and neither does the baseline. The egress queue keeps a
+stage's frames in order; it is bounded, and when it is full the caller of ``process`` waits
+(for gRPC: the Push stream stops reading and flow control pushes back to the sender).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import collections
 import concurrent.futures
 import logging
 import math
@@ -60,14 +62,12 @@ from jaxdist.core.transport.frames import FrameHeader
 from jaxdist.core.weights.uri import clip
 from jaxdist.proto import jaxdist_pb2 as pb
 
-__all__ = ["INLINE_MAX_S", "QUEUE_DEPTH", "Route", "ShapeBudget", "StageRuntime", "call_in_loop",
+__all__ = ["QUEUE_DEPTH", "Route", "ShapeBudget", "StageRuntime", "call_in_loop",
            "remote_error"]
 
 log = logging.getLogger(__name__)
 
 QUEUE_DEPTH = 32  # frames buffered per stage on egress
-INLINE_MAX_S = 0.05  # steps of a shape that all took longer run in a thread from then on
-TIMED_STEPS = 3  # ... of the last this many (one preempted step does not count)
 # Upper bounds (s) of the step-time counts a stage keeps, the worker's metrics histogram
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 5.0, 10.0)
@@ -171,7 +171,9 @@ class StageRuntime:
         pipeline_id: the pipeline it belongs to.
         sessions: the session store its state lives in.
         route: where its frames go (see :class:`Route`).
-        pool: threads that run long steps, wait for device results and compile new shapes.
+        pool: threads that compile new shapes (shared by the stages of a worker).
+        inline_steps: run the steps on the loop (an in-process pipeline, whose loop serves
+            nothing else), not in the stage's own thread.
         budget: the compiled shapes its pipeline may hold on this worker. The stage holds the
             shapes compiled already (its buckets, charged by whoever loaded it), and charges
             each further one before it compiles it; a frame of a shape over the budget is
@@ -181,7 +183,7 @@ class StageRuntime:
     def __init__(self, stage: WorkerStage, *, stage_id: str, pipeline_id: str,
                  sessions: SessionStore, route: Route,
                  pool: concurrent.futures.Executor | None = None,
-                 budget: ShapeBudget | None = None) -> None:
+                 budget: ShapeBudget | None = None, inline_steps: bool = False) -> None:
         self.stage = stage
         self.spec = stage.spec
         self.stage_id = stage_id
@@ -197,8 +199,12 @@ class StageRuntime:
         self._stateful = bool(self.spec.state)
         # On the host already: outputs that are ready need no thread to reach the route.
         self._on_host = stage.platform == "cpu"
-        self._long: set[Shapes] = set()  # shapes whose steps run in a thread
-        self._times: dict[Shapes, collections.deque[float]] = {}  # the last steps' seconds
+        self._inline_steps = inline_steps
+        # The stage's lanes, started on first use: its steps, one at a time in frame order,
+        # and its waits for device results (so a step's copy to the host never waits behind
+        # the next step, nor behind another stage's).
+        self._steps: concurrent.futures.ThreadPoolExecutor | None = None
+        self._host: concurrent.futures.ThreadPoolExecutor | None = None
         self._egress: asyncio.Queue[tuple[FrameHeader, dict[str, Any]] | None] | None = None
         self._egress_task: asyncio.Task[None] | None = None
         self._egress_busy = False
@@ -219,11 +225,6 @@ class StageRuntime:
         """Frames taken in by :meth:`process` and not yet sent on (or failed): queue depth."""
         with self._inflight_lock:
             return self._inflight
-
-    @property
-    def threaded_shapes(self) -> list[Shapes]:
-        """Input shapes whose steps run in a thread (they took over :data:`INLINE_MAX_S`)."""
-        return sorted(self._long)
 
     # -- ingress ----------------------------------------------------------------------------
 
@@ -351,25 +352,17 @@ class StageRuntime:
                 raise
         else:
             self.compile_hits += 1
-        times = self._times.get(shapes)
-        if times is None:  # a new shape: compiled and first run off the loop
-            times = self._times[shapes] = collections.deque(maxlen=TIMED_STEPS)
-        threaded = not times or min(times) > INLINE_MAX_S
-        if threaded:
-            outputs, took = await loop.run_in_executor(self._pool, self._timed, header, tensors,
-                                                       shapes)
-        else:
+        if self._inline_steps:
             outputs, took = self._timed(header, tensors, shapes)
-        times.append(took)
+        else:
+            if self._steps is None:
+                self._steps = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"step-{self.spec.stage_index}")
+            outputs, took = await loop.run_in_executor(self._steps, self._timed, header,
+                                                       tensors, shapes)
         self.compute_s += took
         self.step_counts[bisect.bisect_left(STEP_SECONDS_BUCKETS, took)] += 1
         self.bytes_in += sum(t.nbytes for t in tensors.values())
-        if min(times) > INLINE_MAX_S and shapes not in self._long:
-            self._long.add(shapes)
-            log.info("stage %s: steps of input shapes %s take %.1f ms; they run in a thread so "
-                     "the data-plane loop keeps serving", self.stage_id, shapes, took * 1e3)
-        elif min(times) <= INLINE_MAX_S:
-            self._long.discard(shapes)
         return outputs
 
     async def _failed(self, header: FrameHeader, exc: Exception) -> None:
@@ -433,7 +426,10 @@ class StageRuntime:
             self._egress_busy = True
             try:
                 if self.route.wants_host and not (self._on_host and _ready_on_host(outputs)):
-                    outputs = await loop.run_in_executor(self._pool, _to_host, outputs)
+                    if self._host is None:
+                        self._host = concurrent.futures.ThreadPoolExecutor(
+                            1, thread_name_prefix=f"host-{self.spec.stage_index}")
+                    outputs = await loop.run_in_executor(self._host, _to_host, outputs)
                 await self._emit(header, outputs)
             except Exception as exc:  # noqa: BLE001 - the device computation itself failed
                 await self._failed(header, exc)
@@ -470,6 +466,9 @@ class StageRuntime:
             await self._egress.put(None)
             await self._egress_task
         await self.route.close()
+        for lane in (self._steps, self._host):
+            if lane is not None:
+                lane.shutdown(wait=False)  # its thread ends once its last call returns
 
     def stop(self) -> None:
         """Give the compiled shapes back to the pipeline's budget (:meth:`release_shapes`),
