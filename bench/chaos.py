@@ -17,8 +17,10 @@ Then, for ``--minutes`` (default 30; ``--quick``: 2):
 Records: ``chaos_requests_lost`` (requests that ended with an error: goal 0),
 ``chaos_outputs_differing`` (completed requests whose tokens differ from the solo run's prefix:
 goal 0), ``chaos_tokens_served``, ``chaos_failovers`` (kills survived) and the coordinator's
-RSS, threads and fds at the end against the start (``chaos_coordinator_rss_growth_pct``). The
-workers are replaced as they die, so only the surviving originals' counts are reported beside.
+RSS, threads and fds at the end against the start (``chaos_coordinator_rss_growth_pct``), with
+every live worker's RSS, threads and fds at the start and at the end beside it
+(``workers_start``, ``workers_end``: the workers are replaced as they die, so the end lists the
+spares added since) and the surviving originals' (``surviving_original_workers``).
 Bounded: every wait has a deadline, and the script exits non-zero if the engine stops
 answering. Nothing here is part of the tests.
 
@@ -54,6 +56,16 @@ def proc_counts(pid: int) -> tuple[float, int, int]:
         fields = dict(line.split(":", 1) for line in f if ":" in line)
     rss = int(fields["VmRSS"].split()[0]) / 1024
     return rss, int(fields["Threads"]), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _worker_counts(procs: Any) -> dict[str, dict[str, int]]:
+    """RSS (MB), threads and fds of each live worker process, by address."""
+    out = {}
+    for w in procs:
+        if w.alive():
+            rss, threads, fds = proc_counts(w.pid)
+            out[w.address] = {"rss_mb": round(rss), "threads": threads, "fds": fds}
+    return out
 
 
 class Tally:
@@ -135,6 +147,7 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
                     for p in prompts]
             start = proc_counts(os.getpid())
             workers = {w.address: w for w in cluster.local_workers}
+            workers_start = _worker_counts(workers.values())
             originals = dict(workers)
             tally = Tally()
             deadline = time.monotonic() + minutes * 60
@@ -174,6 +187,7 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
             end = proc_counts(os.getpid())
             failovers = len(pipe.failovers)
             survivors = {a: proc_counts(w.pid) for a, w in originals.items() if w.alive()}
+            workers_end = _worker_counts([*cluster.local_workers, *spawned])
         finally:
             engine.close()
             stop_workers(spawned)
@@ -195,7 +209,8 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
                     threads=[start[1], end[1]], fds=[start[2], end[2]],
                     surviving_original_workers={a: {"rss_mb": round(v[0]), "threads": v[1],
                                                     "fds": v[2]}
-                                                for a, v in survivors.items()}), records)
+                                                for a, v in survivors.items()},
+                    workers_start=workers_start, workers_end=workers_end), records)
     return records
 
 
