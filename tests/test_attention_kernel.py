@@ -118,19 +118,18 @@ def test_large_scores_stay_finite() -> None:
                                atol=1e-5)
 
 
-def test_long_steps_keep_xla_and_only_kernel_stages_call_it() -> None:
-    """Above ATTENTION_MAX_QUERIES tokens per row (prefill) the CPU compile keeps XLA's dots;
+def test_every_step_length_calls_the_kernel_and_only_kernel_stages_call_it() -> None:
+    """On the CPU every step calls the kernel, a 65-query prefill chunk as a decode step;
     outside exporting_for_kernels there is no custom call at all; the exported module keeps
     the portable read for GPU/TPU."""
     rng = np.random.default_rng(9)
-    args = _case(rng, 1, ops.ATTENTION_MAX_QUERIES + 1, 4, 2, 16)
+    args = _case(rng, 1, 65, 4, 2, 16, t=80)
 
     def f(*a):
         return ops.cache_attention(*a, scale=0.25, portable=layers._attend)
 
-    with ops.exporting_for_kernels():
-        long = jax.jit(f).lower(*args).compile().as_text()
-    assert kernels.ATTENTION_TARGET not in long
+    got = _run_kernel(*args)  # asserts the kernel is in the compiled module
+    np.testing.assert_allclose(got, _reference(*args), rtol=2e-5, atol=2e-6)
     plain = jax.jit(lambda *a: f(*a)).lower(*args).as_text()  # a new trace, outside
     assert kernels.ATTENTION_TARGET not in plain
     (b, s) = export.symbolic_shape("b, s")
@@ -143,9 +142,31 @@ def test_long_steps_keep_xla_and_only_kernel_stages_call_it() -> None:
                                 kernels.ATTENTION_TARGET)])(*shapes)
     text = exp.mlir_module()
     assert kernels.ATTENTION_TARGET in text and "stablehlo.dot_general" in text
-    short = _case(rng, 2, 1, 4, 2, 16)
+    short = _case(rng, 2, 1, 4, 2, 16, t=80)
     np.testing.assert_allclose(np.asarray(exp.call(*short)), _reference(*short), rtol=2e-5,
                                atol=2e-6)
+
+
+def test_a_querys_bits_do_not_depend_on_the_chunk_that_carries_it() -> None:
+    """A prompt's queries attended in one 64-query step, in 16-query chunks, and one by one
+    (as decode), all through ops.cache_attention on the CPU: the same bits. The engine chunks a
+    prompt differently when other prompts wait, so its greedy answer must not see it."""
+    rng = np.random.default_rng(10)
+    q, kc, vc, _, _, _ = _case(rng, 1, 64, 9, 3, 64, t=96, slots=2)
+    slot = np.array([1], np.int32)
+
+    def attend(p0: int, n: int) -> np.ndarray:
+        return _run_kernel(q[:, p0:p0 + n], kc, vc, slot, np.array([p0], np.int32),
+                           np.array([n], np.int32))
+
+    whole = attend(0, 64)
+    chunks = np.concatenate([attend(p0, 16) for p0 in range(0, 64, 16)], axis=1)
+    single = np.concatenate([attend(p0, 1) for p0 in (0, 17, 40, 63)], axis=1)
+    np.testing.assert_array_equal(chunks, whole)
+    np.testing.assert_array_equal(single, whole[:, [0, 17, 40, 63]])
+    np.testing.assert_allclose(whole, _reference(q, kc, vc, slot, np.array([0], np.int32),
+                                                 np.array([64], np.int32)),
+                               rtol=2e-5, atol=2e-6)
 
 
 def test_error_shapes_checked_by_the_kernel() -> None:
@@ -165,8 +186,7 @@ def test_error_shapes_checked_by_the_kernel() -> None:
             q4, kc[..., :4], kc[..., :4], ints, ints, ints).block_until_ready()
 
 
-# ---- the kernel called directly, for any step length (ops.cache_attention keeps XLA's dots for
-# steps longer than ATTENTION_MAX_QUERIES) --------------------------------------------------------
+# ---- the kernel called directly --------------------------------------------------------------
 
 def _direct(q, kc, vc, slot, pos, length) -> np.ndarray:
     call = jax.ffi.ffi_call(kernels.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))

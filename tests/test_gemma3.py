@@ -308,7 +308,7 @@ def test_gguf_quantized_matches_llamacpp(root: pathlib.Path, quantized_files: di
             assert int(np.argmax(got[step])) == token, f"Gemma 3 {qtype} step {step}"
 
 
-def test_conditional_generation_exports_the_text_model(root: pathlib.Path,
+def test_conditional_generation_exports_the_text_model(root: pathlib.Path, hf_model: Any,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Gemma3ForConditionalGeneration: the text model's tensors (under language_model.), and a
     warning naming the vision tower that is left out."""

@@ -41,7 +41,7 @@ from jaxdist.core.kernels import (ATTENTION_TARGET, ATTENTION_V2_TARGET, DEQUANT
                                    KERNEL_TYPES, MOE_TARGET, TARGET)
 from jaxdist.core.quant import block_layout, dequantize_rows
 
-__all__ = ["ATTENTION_MAX_QUERIES", "KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS_WIDE", "QTensor",
+__all__ = ["KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS_WIDE", "QTensor",
            "WIDE_TYPES", "max_rows", "cache_attention", "expert_linear",
            "exporting_for_kernels", "linear", "quant_matmul", "take_rows"]
 
@@ -65,11 +65,6 @@ def max_rows(qtype: str) -> int:
     """The most rows of a product of ``qtype`` weights that the CPU kernel computes; more
     rows dequantize and run XLA's dot."""
     return KERNEL_MAX_ROWS_WIDE if qtype in WIDE_TYPES else KERNEL_MAX_ROWS
-
-ATTENTION_MAX_QUERIES = 16
-"""On the CPU, steps of more tokens per row than this (long prefill chunks) attend with XLA's
-dots; decode and chunks up to the usual smallest prefill bucket use the kernel, which reads only
-the positions each query sees (a 6-token prompt in a 16-token bucket attends over 6 keys)."""
 
 _for_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_for_kernels",
                                                                     default=False)
@@ -225,10 +220,12 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: 
     and ``window``. ``window`` > 0 is sliding-window attention: a query at position ``p`` sees
     the keys in ``(p - window, p]``; 0 is full causal attention. Outside
     :func:`exporting_for_kernels`, or for caches that are not float32, this is ``portable``.
-    Otherwise it lowers to ``platform_dependent(cpu=<kernel for steps of at most
-    ATTENTION_MAX_QUERIES tokens, else portable>, default=portable)``. The kernel reads only
-    the positions each query sees, and gives zeros for a row of length 0 (garbage in the
-    portable form; callers ignore such rows). Full attention calls
+    Otherwise it lowers to ``platform_dependent(cpu=<kernel>, default=portable)``, for steps of
+    any length: a query's bits then do not depend on the step that carries it (decode, a
+    16-token chunk of a batched prefill or a 256-token one alone), so a greedy answer does
+    not depend on the load it was served under. The kernel reads only the positions each query
+    sees, and gives zeros for a row of length 0 (garbage in the portable form; callers ignore
+    such rows). Full attention calls
     :data:`~jaxdist.core.kernels.ATTENTION_TARGET` (v1); a window calls
     :data:`~jaxdist.core.kernels.ATTENTION_V2_TARGET`.
 
@@ -249,11 +246,7 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, slot: Array, pos: 
         call = jax.ffi.ffi_call(ATTENTION_V2_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
         return call(*a, scale=np.float32(scale), window=np.int32(window))
 
-    def cpu(*a: Array) -> Array:
-        long = jnp.asarray(a[0].shape[1]) > ATTENTION_MAX_QUERIES  # constant per bucket
-        return lax.cond(long, portable, kernel, *a)
-
-    return lax.platform_dependent(*args, cpu=cpu, default=portable)
+    return lax.platform_dependent(*args, cpu=kernel, default=portable)
 
 
 def _expert_rows(x: Array, slots: int) -> Array:
