@@ -28,9 +28,13 @@ FD_RESERVE = 256
 beyond the connections it accepts."""
 
 
-DEFER_ACCEPT_S = 60
+DEFER_ACCEPT_S = 3600
 """How long the kernel keeps a connection that has sent nothing away from a listener that
-defers accepts (:func:`defer_accept`)."""
+defers accepts (:func:`defer_accept`). Long, because the connections of a flood held that long
+reach the server together when it ends, and then hold places until the handshake timeout
+closes them: measured with 60 s, a new caller waited 2.6 s once, at the 66th second of a
+held flood of 1100 (bench/NOTES.md, "Silent connections"). Such a connection costs the
+kernel a few hundred bytes meanwhile, and gRPC and TLS clients send at once, so none waits."""
 
 
 def raise_fd_limit() -> int:
