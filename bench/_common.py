@@ -103,6 +103,14 @@ def machine() -> dict[str, Any]:
             "loadavg_1m_at_start": load()}
 
 
+def proc_counts(pid: int) -> dict[str, float]:
+    """A process's RSS (MB, one decimal), threads and open file descriptors, from ``/proc``."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return {"rss_mb": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
+            "threads": int(fields["Threads"]), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
 def record(metric: str, value: float | None, unit: str, baseline: str,
            baseline_value: float | None, ratio: float | None, target: str,
            meets: bool | None, **detail: Any) -> dict[str, Any]:

@@ -50,22 +50,9 @@ MAX_NEW = 24
 note = c.note("chaos")
 
 
-def proc_counts(pid: int) -> tuple[float, int, int]:
-    """(RSS in MB, threads, open file descriptors) of a process."""
-    with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.split(":", 1) for line in f if ":" in line)
-    rss = int(fields["VmRSS"].split()[0]) / 1024
-    return rss, int(fields["Threads"]), len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _worker_counts(procs: Any) -> dict[str, dict[str, int]]:
+def _worker_counts(procs: Any) -> dict[str, dict[str, float]]:
     """RSS (MB), threads and fds of each live worker process, by address."""
-    out = {}
-    for w in procs:
-        if w.alive():
-            rss, threads, fds = proc_counts(w.pid)
-            out[w.address] = {"rss_mb": round(rss), "threads": threads, "fds": fds}
-    return out
+    return {w.address: c.proc_counts(w.pid) for w in procs if w.alive()}
 
 
 class Tally:
@@ -145,7 +132,7 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
             note("solo reference runs")
             want = [engine.submit(p, params_of(MAX_NEW)).result(timeout=600).tokens
                     for p in prompts]
-            start = proc_counts(os.getpid())
+            start = c.proc_counts(os.getpid())
             workers = {w.address: w for w in cluster.local_workers}
             workers_start = _worker_counts(workers.values())
             originals = dict(workers)
@@ -184,9 +171,9 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
             for t in threads:
                 t.join(timeout=900)
             hung = sum(t.is_alive() for t in threads)
-            end = proc_counts(os.getpid())
+            end = c.proc_counts(os.getpid())
             failovers = len(pipe.failovers)
-            survivors = {a: proc_counts(w.pid) for a, w in originals.items() if w.alive()}
+            survivors = _worker_counts(originals.values())
             workers_end = _worker_counts([*cluster.local_workers, *spawned])
         finally:
             engine.close()
@@ -203,14 +190,12 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
     c.emit(c.record("chaos_failovers", failovers, "failovers", "kills", kills, None,
                     "every kill survived", failovers >= kills and tally.lost == 0, **detail),
            records)
-    growth = 100 * (end[0] - start[0]) / start[0]
+    growth = 100 * (end["rss_mb"] - start["rss_mb"]) / start["rss_mb"]
     c.emit(c.record("chaos_coordinator_rss_growth_pct", growth, "%", "", None, None, "< 10%",
-                    growth < 10, rss_mb=[round(start[0]), round(end[0])],
-                    threads=[start[1], end[1]], fds=[start[2], end[2]],
-                    surviving_original_workers={a: {"rss_mb": round(v[0]), "threads": v[1],
-                                                    "fds": v[2]}
-                                                for a, v in survivors.items()},
-                    workers_start=workers_start, workers_end=workers_end), records)
+                    growth < 10, rss_mb=[start["rss_mb"], end["rss_mb"]],
+                    threads=[start["threads"], end["threads"]], fds=[start["fds"], end["fds"]],
+                    surviving_original_workers=survivors, workers_start=workers_start,
+                    workers_end=workers_end), records)
     return records
 
 

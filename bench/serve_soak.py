@@ -58,14 +58,6 @@ TIMEOUT_S = 300.0  # a hang guard on each request
 note = c.note("serve-soak")
 
 
-def proc_counts(pid: int) -> dict[str, int]:
-    """RSS (MB), threads and fds of a process."""
-    with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.split(":", 1) for line in f if ":" in line)
-    return {"rss_mb": round(int(fields["VmRSS"].split()[0]) / 1024),
-            "threads": int(fields["Threads"]), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
-
-
 def worker_pids(server_pid: int) -> list[int]:
     """The pids of the serve process's local workers (its ``jaxdist.worker`` descendants)."""
     import psutil
@@ -329,7 +321,7 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
                 want[(kind, i)] = _text(kind, answer)
         pids = {"server": server.proc.pid,
                 **{f"worker {k}": p for k, p in enumerate(worker_pids(server.proc.pid))}}
-        start = {name: proc_counts(pid) for name, pid in pids.items()}
+        start = {name: c.proc_counts(pid) for name, pid in pids.items()}
         note(f"solo references taken; {minutes:g} minutes of load: {opts.clients} clients, "
              f"an attack every ~{opts.attack_every:g} s; start {start}")
         tally = Tally()
@@ -348,7 +340,7 @@ def run(opts: argparse.Namespace) -> list[dict[str, Any]]:
         for t in threads:
             t.join(timeout=TIMEOUT_S + 60)
         hung = sum(t.is_alive() for t in threads)
-        end = {name: proc_counts(pid) for name, pid in pids.items()
+        end = {name: c.proc_counts(pid) for name, pid in pids.items()
                if os.path.exists(f"/proc/{pid}")}
     finally:
         server.stop()

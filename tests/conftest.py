@@ -13,9 +13,8 @@ import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from models import save_mlp_weights
 
 from jaxdist.coordinator.cluster import Cluster
 
@@ -63,9 +62,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 def mlp_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """A weights root with ``mlp.safetensors``: four (D, D) layers ``l0.w`` .. ``l3.w``."""
     root = tmp_path_factory.mktemp("weights")
-    rng = np.random.default_rng(1234)
-    save_file({f"l{i}.w": (rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32)
-               for i in range(4)}, str(root / "mlp.safetensors"))
+    save_mlp_weights(root)
     return root
 
 

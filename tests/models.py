@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from jaxdist.export.model import Model, Param, Unit
 
@@ -25,6 +25,13 @@ def mlp(n_layers: int = 4, d: int = D, name: str = "mlp", any_shape: bool = True
              for i in range(n_layers)]
     return Model(name, units, inputs={"x": ("b, %d" % d, "float32")}, buckets=[{"b": 4}],
                  any_shape=any_shape)
+
+
+def save_mlp_weights(root, d: int = D, seed: int = 1234, n_layers: int = 4) -> None:
+    """``root/mlp.safetensors``: ``n_layers`` random (d, d) layers ``l0.w`` ... for :func:`mlp`."""
+    rng = np.random.default_rng(seed)
+    save_file({f"l{i}.w": (rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32)
+               for i in range(n_layers)}, str(root / "mlp.safetensors"))
 
 
 def mlp_reference(root, x: np.ndarray, n_layers: int = 4) -> np.ndarray:

@@ -63,45 +63,40 @@ class Deployed:
         self.cluster.close()
         stop_workers([self.worker])
 
+    def __enter__(self) -> Deployed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[Deployed]:
-    d = Deployed(["--max-streams-per-peer", str(STREAMS), "--max-frame-bytes", str(6 * MIB),
-                  "--max-inflight-bytes", str(INFLIGHT)])
-    try:
+    with Deployed(["--max-streams-per-peer", str(STREAMS), "--max-frame-bytes", str(6 * MIB),
+                   "--max-inflight-bytes", str(INFLIGHT)]) as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")
 def stalling() -> Iterator[Deployed]:
-    d = Deployed(["--frame-idle-timeout", str(IDLE_S)])
-    try:
+    with Deployed(["--frame-idle-timeout", str(IDLE_S)]) as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")
 def roomy() -> Iterator[Deployed]:
     """Frames of up to 1 GiB (the default --max-frame-bytes), a budget of just over one such
     frame in flight, and no stall timeout within a test."""
-    d = Deployed(["--max-inflight-bytes", str(GIB + 16 * MIB), "--frame-idle-timeout", "3600"])
-    try:
+    with Deployed(["--max-inflight-bytes", str(GIB + 16 * MIB),
+                   "--frame-idle-timeout", "3600"]) as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")
 def queued() -> Iterator[Deployed]:
-    d = Deployed(["--max-subscriber-bytes", str(PER_SUBSCRIBER),
-                  "--max-queued-event-bytes", str(QUEUED)])
-    try:
+    with Deployed(["--max-subscriber-bytes", str(PER_SUBSCRIBER),
+                   "--max-queued-event-bytes", str(QUEUED)]) as d:
         yield d
-    finally:
-        d.close()
 
 
 def _poll_info(d: Deployed, what: str, ready: Any) -> pb.InfoReply:
@@ -580,12 +575,9 @@ OWNED_IDLE_S = 2.0  # its --frame-idle-timeout
 def owned() -> Iterator[Deployed]:
     """A pipeline with a key of its own (a leased pipeline, as Cluster.deploy makes), so its
     coordinator's streams prove that key and count under the pipeline, not the host."""
-    d = Deployed(["--max-streams-per-peer", str(OWNED_STREAMS),
-                  "--frame-idle-timeout", str(OWNED_IDLE_S)], lease_s=30)
-    try:
+    with Deployed(["--max-streams-per-peer", str(OWNED_STREAMS),
+                   "--frame-idle-timeout", str(OWNED_IDLE_S)], lease_s=30) as d:
         yield d
-    finally:
-        d.close()
 
 
 def _idle_push(d: Deployed, stop: threading.Event) -> Any:

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from models import mlp
-from safetensors.numpy import save_file
+from models import mlp, save_mlp_weights
 
 from jaxdist.coordinator.cluster import Cluster
 from jaxdist.coordinator.spawn import spawn_workers, stop_workers
@@ -36,9 +35,7 @@ MARGIN = 32 * MIB
 @pytest.fixture(scope="module")
 def wide_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("wide-weights")
-    rng = np.random.default_rng(7)
-    save_file({f"l{i}.w": (rng.standard_normal((WIDE, WIDE)) / np.sqrt(WIDE)).astype(np.float32)
-               for i in range(4)}, str(root / "mlp.safetensors"))
+    save_mlp_weights(root, WIDE, seed=7)
     return root
 
 

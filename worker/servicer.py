@@ -165,8 +165,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.health = WorkerHealth()  # grpc.health.v1; server.py serves it
         # Compiles new shapes, off the data-plane loop (each stage runs its steps and waits
         # for its device results in threads of its own: jaxdist.core.runtime).
-        self._egress_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix="egress")
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="compile")
         # LoadStage's work; the call itself waits on the loop, to learn if its caller leaves.
         self.loads = Loads()
         self._load_pool = concurrent.futures.ThreadPoolExecutor(
@@ -392,7 +392,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         log.info("stage %s sends its frames over %s to %s", stage_id, route.kind,
                  stage.spec.next_data_hop or stage.spec.next_hop or "its callers")
         runtime = StageRuntime(stage, stage_id=stage_id, pipeline_id=pipeline_id,
-                               sessions=self.sessions, route=route, pool=self._egress_pool,
+                               sessions=self.sessions, route=route, pool=self._compile_pool,
                                budget=pipelines.shape_budget(pipeline_id))
         return runtime
 
@@ -635,6 +635,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             rt.stop()
         self.hub.shutdown()
         self.peers.close()
-        self._egress_pool.shutdown(wait=False)
+        self._compile_pool.shutdown(wait=False)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self.cache.close()

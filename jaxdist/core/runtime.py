@@ -157,6 +157,12 @@ def _nbytes(x: Any) -> int:
     return math.prod(shape) * itemsize
 
 
+def _lane(name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """One thread, its calls run in the order they were submitted (a stage's steps, its waits
+    for device results)."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+
+
 def _to_host(outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Wait for the outputs and copy them to host memory (the stage's one device->host copy)."""
     return {k: np.asarray(v) for k, v in outputs.items()}
@@ -355,9 +361,7 @@ class StageRuntime:
         if self._inline_steps:
             outputs, took = self._timed(header, tensors, shapes)
         else:
-            if self._steps is None:
-                self._steps = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix=f"step-{self.spec.stage_index}")
+            self._steps = self._steps or _lane(f"step-{self.spec.stage_index}")
             outputs, took = await loop.run_in_executor(self._steps, self._timed, header,
                                                        tensors, shapes)
         self.compute_s += took
@@ -426,9 +430,7 @@ class StageRuntime:
             self._egress_busy = True
             try:
                 if self.route.wants_host and not (self._on_host and _ready_on_host(outputs)):
-                    if self._host is None:
-                        self._host = concurrent.futures.ThreadPoolExecutor(
-                            1, thread_name_prefix=f"host-{self.spec.stage_index}")
+                    self._host = self._host or _lane(f"host-{self.spec.stage_index}")
                     outputs = await loop.run_in_executor(self._host, _to_host, outputs)
                 await self._emit(header, outputs)
             except Exception as exc:  # noqa: BLE001 - the device computation itself failed
